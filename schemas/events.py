@@ -1,0 +1,165 @@
+"""Payloads of the events and commands on the job and node topics (the `payload` of an Envelope)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.job import JobSpec
+
+
+class Payload(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class RejectReason(StrEnum):
+    """Why the queue refused a job; each has a sentence telling the submitter what to change."""
+
+    MALFORMED = "malformed"  # not JSON, or not an object
+    INVALID_SPEC = "invalid_spec"  # wrong types or missing fields
+    UNKNOWN_TENANT = "unknown_tenant"
+    UNKNOWN_QUEUE = "unknown_queue"
+    UNKNOWN_PRIORITY_CLASS = "unknown_priority_class"
+    UNKNOWN_ACCELERATOR_TYPE = "unknown_accelerator_type"
+    INVALID_RESOURCES = "invalid_resources"  # zero or negative sizes
+    GANG_TOO_LARGE = "gang_too_large"  # more replicas than the tenant may ask for
+    TOO_MANY_ACCELERATORS = "too_many_accelerators"
+    DUPLICATE_JOB_ID = "duplicate_job_id"  # another tenant's job already has this id
+    DUPLICATE_SUBMISSION = "duplicate_submission"  # same idempotency key as an earlier job
+
+
+class Outcome(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+
+class JobSubmitted(Payload):
+    """Type JobSubmitted. The payload *is* the job spec (see schemas.job.JobSpec)."""
+
+
+class JobCancelRequested(Payload):
+    job_id: str
+    requested_by: str = Field(default="unknown", description="Tenant or role that asked.")
+    reason: str | None = None
+
+
+class JobQueued(Payload):
+    job_id: str
+    spec: JobSpec
+    submitted_at: datetime = Field(description="Original submit time; kept across requeues.")
+    attempt: int = Field(default=0, description="0 for the first queueing, +1 per requeue.")
+
+
+class JobRejected(Payload):
+    job_id: str | None = None
+    reason_code: RejectReason
+    message: str
+    idempotency_key: str | None = None
+
+
+class ReplicaAssignment(Payload):
+    replica: int
+    node_id: str
+    accelerators: float
+    cpu: float
+    memory_gb: float
+
+
+class PlacementDecided(Payload):
+    """The scheduler's decision; `epoch` fences a deposed leader's late decisions."""
+
+    job_id: str
+    attempt: int
+    epoch: int
+    leader: str
+    cluster: str
+    accelerator_type: str
+    replicas: list[ReplicaAssignment]
+    spec: JobSpec
+
+
+class PlacementRefused(Payload):
+    """The executor could not (or would not) honour a placement; the job goes back to pending."""
+
+    job_id: str
+    attempt: int
+    epoch: int
+    cluster: str
+    reason_code: str
+    message: str
+
+
+class JobStarted(Payload):
+    job_id: str
+    attempt: int
+    cluster: str
+    nodes: list[str]
+    started_at: datetime
+
+
+class JobFinished(Payload):
+    """Terminal outcome of a job; `attempt` is None when it never ran (cancelled while queued)."""
+
+    job_id: str
+    attempt: int | None = None
+    outcome: Outcome
+    reason_code: str | None = None
+    message: str | None = None
+    cluster: str | None = None
+    ran_s: float = 0.0
+
+
+class JobStopOrdered(Payload):
+    """Command to an executor: stop this job's running replicas (cancel)."""
+
+    job_id: str
+    reason: str = "canceled"
+
+
+class NodeInfo(Payload):
+    node_id: str
+    block: str
+    rack: str
+    nvlink_domain: str
+    accelerator_type: str
+    generation: str
+    accelerator_memory_gb: float
+    relative_speed: float
+    accelerators: int
+    cpu: float
+    memory_gb: float
+    price_tier: str
+    healthy: bool = True
+
+
+class ClusterCapacity(Payload):
+    """An executor's full inventory of its cluster; the scheduler builds its fleet from it."""
+
+    cluster: str
+    location: str
+    kind: str
+    prices: dict[str, dict[str, float]] = Field(
+        description="Accelerator type -> price tier -> price per accelerator-hour."
+    )
+    nodes: list[NodeInfo]
+
+
+class NodeHeartbeat(Payload):
+    node_id: str
+    cluster: str
+    healthy: bool = True
+    accelerators: int
+    allocated_accelerators: float
+
+
+class DeadLetter(Payload):
+    source_topic: str
+    partition: int
+    offset: int
+    key: str | None = None
+    value: str = Field(description="The raw message, as text (truncated to 64 KiB).")
+    error: str
+    consumer: str

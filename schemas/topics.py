@@ -1,0 +1,192 @@
+"""The topic registry: every topic's name, partition key, partition count and payload type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from schemas import events
+from schemas.job import JobSpec
+
+
+@dataclass(frozen=True)
+class Topic:
+    name: str
+    key: str  # which field the message key holds, so per-entity order holds
+    partitions: int
+    event_type: str
+    payload: type[BaseModel] | None
+    description: str
+
+
+JOB_SUBMITTED = "job.submitted"
+JOB_CANCEL_REQUESTED = "job.cancel.requested"
+JOB_QUEUED = "job.queued"
+JOB_REJECTED = "job.rejected"
+PLACEMENT_DECIDED = "placement.decided"
+PLACEMENT_REFUSED = "placement.refused"
+JOB_STARTED = "job.started"
+JOB_FINISHED = "job.finished"
+JOB_PREEMPTED = "job.preempted"
+JOB_STOP_ORDERED = "job.stop.ordered"
+PREEMPTION_REQUESTED = "preemption.requested"
+NODE_HEARTBEAT = "node.heartbeat"
+NODE_PROBE = "node.probe"
+NODE_UNHEALTHY = "node.unhealthy"
+NODE_RECOVERED = "node.recovered"
+CLUSTER_CAPACITY = "cluster.capacity"
+AUTOSCALE_DECIDED = "autoscale.decided"
+USAGE_TICK = "usage.tick"
+BUDGET_EXCEEDED = "budget.exceeded"
+ALERT_RAISED = "alert.raised"
+DEAD_LETTER = "dead.letter"
+
+_JOB = "job_id"
+TOPICS: tuple[Topic, ...] = (
+    Topic(
+        JOB_SUBMITTED,
+        _JOB,
+        4,
+        "JobSubmitted",
+        JobSpec,
+        "A job asked for, by the gateway or any platform writing JSON.",
+    ),
+    Topic(
+        JOB_CANCEL_REQUESTED,
+        _JOB,
+        4,
+        "JobCancelRequested",
+        events.JobCancelRequested,
+        "Someone asked to cancel a job.",
+    ),
+    Topic(
+        JOB_QUEUED,
+        _JOB,
+        4,
+        "JobQueued",
+        events.JobQueued,
+        "The queue accepted a job and it waits for placement.",
+    ),
+    Topic(
+        JOB_REJECTED,
+        _JOB,
+        4,
+        "JobRejected",
+        events.JobRejected,
+        "The queue refused a job, with a reason code and a sentence.",
+    ),
+    Topic(
+        PLACEMENT_DECIDED,
+        _JOB,
+        4,
+        "PlacementDecided",
+        events.PlacementDecided,
+        "The scheduler leader bound a job's replicas to nodes of one cluster.",
+    ),
+    Topic(
+        PLACEMENT_REFUSED,
+        _JOB,
+        4,
+        "PlacementRefused",
+        events.PlacementRefused,
+        "An executor would not honour a placement (stale epoch, no room, cancelled).",
+    ),
+    Topic(
+        JOB_STARTED,
+        _JOB,
+        4,
+        "JobStarted",
+        events.JobStarted,
+        "All replicas of the gang are running.",
+    ),
+    Topic(
+        JOB_FINISHED,
+        _JOB,
+        4,
+        "JobFinished",
+        events.JobFinished,
+        "A job reached succeeded, failed or canceled.",
+    ),
+    Topic(
+        JOB_PREEMPTED,
+        _JOB,
+        4,
+        "JobPreempted",
+        None,
+        "A job was stopped to make room (acted on by the preemptor).",
+    ),
+    Topic(
+        JOB_STOP_ORDERED,
+        _JOB,
+        4,
+        "JobStopOrdered",
+        events.JobStopOrdered,
+        "Command: executors stop a job's replicas.",
+    ),
+    Topic(
+        PREEMPTION_REQUESTED,
+        _JOB,
+        2,
+        "PreemptionRequested",
+        None,
+        "The scheduler names victims to make room for a job.",
+    ),
+    Topic(
+        NODE_HEARTBEAT,
+        "node_id",
+        4,
+        "NodeHeartbeat",
+        events.NodeHeartbeat,
+        "A node is alive and how much of it is allocated.",
+    ),
+    Topic(
+        NODE_PROBE,
+        "node_id",
+        4,
+        "NodeProbe",
+        None,
+        "Hardware signals from a node (XID, ECC, thermal, NVLink).",
+    ),
+    Topic(
+        NODE_UNHEALTHY, "node_id", 2, "NodeUnhealthy", None, "A node was taken out of scheduling."
+    ),
+    Topic(NODE_RECOVERED, "node_id", 2, "NodeRecovered", None, "A node came back into scheduling."),
+    Topic(
+        CLUSTER_CAPACITY,
+        "cluster",
+        1,
+        "ClusterCapacity",
+        events.ClusterCapacity,
+        "An executor's inventory of its cluster.",
+    ),
+    Topic(AUTOSCALE_DECIDED, "cluster", 1, "AutoscaleDecided", None, "Capacity to add or remove."),
+    Topic(
+        USAGE_TICK,
+        "tenant",
+        4,
+        "UsageTick",
+        None,
+        "Metered accelerator-seconds and cost of one allocation over one interval.",
+    ),
+    Topic(
+        BUDGET_EXCEEDED,
+        "tenant",
+        1,
+        "BudgetExceeded",
+        None,
+        "A tenant or project crossed a budget threshold.",
+    ),
+    Topic(ALERT_RAISED, "subject", 1, "AlertRaised", None, "Something an operator should see."),
+    Topic(
+        DEAD_LETTER,
+        "source_topic",
+        1,
+        "DeadLetter",
+        events.DeadLetter,
+        "Messages that could not be parsed or validated, with the error.",
+    ),
+)
+
+BY_NAME: dict[str, Topic] = {t.name: t for t in TOPICS}
+BY_EVENT_TYPE: dict[str, Topic] = {t.event_type: t for t in TOPICS}

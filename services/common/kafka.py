@@ -1,0 +1,133 @@
+"""FastStream Kafka plumbing with the settings Tansu needs (shared/INFRA.md).
+
+Every hot-path consumer is a batch subscriber that commits offsets only after its handler
+returned (NACK_ON_ERROR: a raised error rewinds the batch for redelivery). Handlers deal with
+poison messages themselves by dead-lettering them, so they raise only for retryable failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import ConsumerRecord
+from faststream import AckPolicy
+from faststream.kafka import KafkaBroker
+from faststream.kafka.message import KafkaMessage
+from faststream.kafka.prometheus import KafkaPrometheusMiddleware
+from prometheus_client import CollectorRegistry
+
+from schemas.envelope import Envelope
+from services.common.settings import ServiceSettings
+
+# publish_batch and bursts of sends overflow aiokafka's 16 KB default batch (INFRA.md).
+MAX_PRODUCER_BATCH = 1 << 20
+
+
+@dataclass(frozen=True)
+class OutMessage:
+    """One message to publish: the topic, the partition key and the envelope."""
+
+    topic: str
+    key: str
+    envelope: Envelope
+
+    def encode(self) -> bytes:
+        return self.envelope.model_dump_json(exclude_none=True).encode()
+
+
+def make_broker(
+    settings: ServiceSettings, client_id: str, registry: CollectorRegistry | None = None
+) -> KafkaBroker:
+    middlewares = []
+    if registry is not None:
+        middlewares.append(
+            KafkaPrometheusMiddleware(registry=registry, app_name=client_id, metrics_prefix="qm")
+        )
+    return KafkaBroker(
+        settings.kafka_bootstrap,
+        client_id=client_id,
+        max_batch_size=MAX_PRODUCER_BATCH,
+        max_request_size=4 * MAX_PRODUCER_BATCH,
+        linger_ms=1,
+        acks=1,
+        middlewares=middlewares,
+        logger=None,
+    )
+
+
+def batch_subscriber(
+    broker: KafkaBroker,
+    *topics: str,
+    group_id: str,
+    settings: ServiceSettings,
+    max_records: int | None = None,
+) -> Callable[..., Any]:
+    """A batch subscriber in a consumer group, tuned for Tansu and at-least-once delivery."""
+    return broker.subscriber(
+        *topics,
+        batch=True,
+        group_id=group_id,
+        auto_offset_reset="earliest",
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=500,
+        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        max_records=max_records or settings.max_batch_records,
+        batch_timeout_ms=settings.fetch_max_wait_ms,
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+    )
+
+
+def records_of(message: KafkaMessage) -> tuple[ConsumerRecord[Any, Any], ...]:
+    raw = message.raw_message
+    return raw if isinstance(raw, tuple) else (raw,)
+
+
+async def publish_all(broker: KafkaBroker, messages: Iterable[OutMessage]) -> int:
+    """Send every message with its key (per-entity order) and wait until the broker has all."""
+    pending: list[asyncio.Future[Any]] = []
+    for msg in messages:
+        fut = await broker.publish(
+            msg.encode(),
+            msg.topic,
+            key=msg.key.encode(),
+            headers={"type": msg.envelope.type},
+            no_confirm=True,
+        )
+        pending.append(fut)  # type: ignore[arg-type]
+    if pending:
+        await asyncio.gather(*pending)
+    return len(pending)
+
+
+def envelope_for(
+    event_type: str,
+    payload: Any,
+    *,
+    producer: str,
+    tenant: str | None = None,
+    cause: Envelope | None = None,
+) -> Envelope:
+    """A new envelope; trace id and causation follow from the event that caused it."""
+    body = (
+        payload.model_dump(mode="json", exclude_none=True)
+        if hasattr(payload, "model_dump")
+        else dict(payload)
+    )
+    extra: dict[str, Any] = {}
+    if cause is not None:
+        extra = {"trace_id": cause.trace_id, "causation_id": cause.event_id}
+    return Envelope(type=event_type, producer=producer, tenant=tenant, payload=body, **extra)
+
+
+def decode_key(record: ConsumerRecord[Any, Any]) -> str | None:
+    key = record.key
+    if key is None:
+        return None
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+
+
+def partition_ids(records: Sequence[ConsumerRecord[Any, Any]]) -> str:
+    return ",".join(sorted({f"{r.topic}/{r.partition}" for r in records}))

@@ -1,0 +1,28 @@
+"""Settings every service shares, read from the environment with the `QM_` prefix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QM_", extra="ignore")
+
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/quartermaster"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    policy_file: Path = REPO_ROOT / "examples" / "policy.yaml"
+    fleet_file: Path = REPO_ROOT / "examples" / "fleet.yaml"
+    auth_file: Path = REPO_ROOT / "examples" / "auth.yaml"
+    log_format: str = "auto"  # json | console | auto (console on a terminal)
+    log_level: str = "INFO"
+    # Tansu answers a waiting fetch only at its deadline, so this is the per-hop latency floor.
+    fetch_max_wait_ms: int = 10
+    max_batch_records: int = 500
+    db_pool_size: int = 4

@@ -1,0 +1,128 @@
+"""The executor service for one cluster, on the simulated backend."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI
+from faststream.kafka.annotations import KafkaMessage
+
+from core.fleet import load_fleet
+from schemas import topics
+from services.common.db import create_pool
+from services.common.kafka import (
+    OutMessage,
+    batch_subscriber,
+    envelope_for,
+    make_broker,
+    publish_all,
+    records_of,
+)
+from services.common.outbox import OutboxRelay
+from services.common.policyfile import load_policy, read_yaml
+from services.common.runtime import Runtime, create_http_app
+from services.executor.fleetinfo import capacity_event, heartbeats
+from services.executor.handlers import Executor, ExecutorMetrics
+from services.executor.nodes import NodeBook
+from services.executor.settings import ExecutorSettings
+from services.executor.store import ExecutorStore
+
+NAME = "executor"
+
+
+def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
+    settings = settings or ExecutorSettings()
+    cluster_name = settings.executor_cluster
+    producer = f"{NAME}/{cluster_name}"
+    runtime = Runtime(producer, settings)
+    broker = make_broker(settings, producer, runtime.registry)
+    policy = load_policy(settings.policy_file)
+    clusters, all_nodes = load_fleet(read_yaml(settings.fleet_file), policy.accelerator_types)
+    if cluster_name not in clusters:
+        raise SystemExit(
+            f"cluster {cluster_name!r} is not in {settings.fleet_file} "
+            f"(clusters: {', '.join(sorted(clusters))})"
+        )
+    cluster = clusters[cluster_name]  # type: ignore[index]
+    nodes = {str(n.node_id): n for n in all_nodes.values() if n.cluster == cluster_name}
+    book = NodeBook(nodes)
+    metrics = ExecutorMetrics(runtime.registry)
+    state: dict[str, Executor] = {}
+
+    @batch_subscriber(
+        broker,
+        topics.PLACEMENT_DECIDED,
+        topics.JOB_STOP_ORDERED,
+        group_id=f"executor-{cluster_name}",
+        settings=settings,
+    )
+    async def on_batch(message: KafkaMessage) -> None:
+        await state["executor"].process(records_of(message))
+
+    async def finish_loop() -> None:
+        while True:
+            await state["executor"].finish_due(time.time())
+            await asyncio.sleep(settings.tick_interval_s)
+
+    async def announce_loop() -> None:
+        """Inventory now and then (the scheduler builds its fleet from it) and heartbeats."""
+        last_capacity = 0.0
+        while True:
+            out: list[OutMessage] = []
+            if time.monotonic() - last_capacity >= settings.capacity_interval_s:
+                cap = capacity_event(cluster, nodes)
+                out.append(
+                    OutMessage(
+                        topics.CLUSTER_CAPACITY,
+                        cluster_name,
+                        envelope_for("ClusterCapacity", cap, producer=producer),
+                    )
+                )
+                last_capacity = time.monotonic()
+            for beat in heartbeats(cluster_name, book):
+                out.append(
+                    OutMessage(
+                        topics.NODE_HEARTBEAT,
+                        beat.node_id,
+                        envelope_for("NodeHeartbeat", beat, producer=producer),
+                    )
+                )
+            await publish_all(broker, out)
+            metrics.overcommitted.set(len(book.audit()))
+            await asyncio.sleep(settings.heartbeat_interval_s)
+
+    @runtime.on_startup
+    async def start() -> None:
+        pool = await create_pool(settings.database_url, settings.db_pool_size)
+        store = ExecutorStore(pool, cluster_name)
+        await store.migrate()
+        await broker.connect()
+        relay = OutboxRelay(pool, broker, store.schema)
+        await relay.flush()
+        executor = Executor(
+            cluster_name,
+            book,
+            store,
+            relay,
+            metrics,
+            time_scale=settings.time_scale,
+            default_duration_s=settings.default_duration_s,
+        )
+        await executor.restore()
+        state["executor"] = executor
+        runtime.background(relay.run_forever)
+        runtime.background(finish_loop)
+        runtime.background(announce_loop)
+        await broker.start()
+
+        async def close() -> None:
+            await broker.stop()
+            await pool.close()
+
+        runtime.on_shutdown(close)
+
+    app = create_http_app(runtime)
+    app.state.runtime = runtime
+    app.state.book = book
+    return app

@@ -1,0 +1,281 @@
+"""The executor's work: honour or refuse placements, stop jobs, finish them when their time
+is up. State changes and the events announcing them commit together (outbox)."""
+
+from __future__ import annotations
+
+import heapq
+from datetime import timedelta
+from typing import Any
+
+import structlog
+from aiokafka import ConsumerRecord
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import ValidationError
+
+from schemas import topics
+from schemas.envelope import Envelope
+from schemas.events import (
+    JobFinished,
+    JobStarted,
+    JobStopOrdered,
+    Outcome,
+    PlacementDecided,
+    PlacementRefused,
+)
+from services.common.deadletter import dead_letter, decode_envelopes
+from services.common.kafka import OutMessage, envelope_for
+from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
+from services.executor.nodes import NodeBook
+from services.executor.simulated import simulate
+from services.executor.store import ExecutorStore, RunningJob, utcnow
+
+log = structlog.get_logger()
+
+
+class ExecutorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.started = Counter("qm_executor_jobs_started_total", "Gangs started", registry=registry)
+        self.refused = Counter(
+            "qm_executor_placements_refused_total",
+            "Placements refused",
+            ["reason"],
+            registry=registry,
+        )
+        self.finished = Counter(
+            "qm_executor_jobs_finished_total", "Jobs ended", ["outcome"], registry=registry
+        )
+        self.allocated = Gauge(
+            "qm_executor_allocated_accelerators", "Accelerators in use", registry=registry
+        )
+        self.overcommitted = Gauge(
+            "qm_executor_overcommitted_nodes",
+            "Nodes allocated beyond capacity (must be 0)",
+            registry=registry,
+        )
+
+
+class Executor:
+    def __init__(
+        self,
+        cluster: str,
+        book: NodeBook,
+        store: ExecutorStore,
+        relay: OutboxRelay,
+        metrics: ExecutorMetrics,
+        *,
+        time_scale: float,
+        default_duration_s: float,
+    ) -> None:
+        self.cluster = cluster
+        self.producer = f"executor/{cluster}"
+        self.book = book
+        self.store = store
+        self.relay = relay
+        self.metrics = metrics
+        self.time_scale = time_scale
+        self.default_duration_s = default_duration_s
+        self.running: dict[str, RunningJob] = {}
+        self.due: list[tuple[float, str, int]] = []
+        self.epoch = 0
+        self.tombstones: set[str] = set()
+
+    async def restore(self) -> None:
+        jobs, self.epoch, self.tombstones = await self.store.load()
+        for job in jobs:
+            if self.book.check(job.replicas) is None:
+                self.book.allocate(job.job_id, job.replicas)
+            self._track(job)
+        log.info("restored", running=len(jobs), epoch=self.epoch)
+
+    def _track(self, job: RunningJob) -> None:
+        self.running[job.job_id] = job
+        heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
+
+    def _emit(
+        self, topic: str, event_type: str, payload: Any, tenant: str | None, cause: Envelope | None
+    ) -> OutMessage:
+        env = envelope_for(event_type, payload, producer=self.producer, tenant=tenant, cause=cause)
+        return OutMessage(topic, payload.job_id, env)
+
+    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
+        received, dead = decode_envelopes(records, consumer=self.producer)
+        mine: list[tuple[Envelope, PlacementDecided | JobStopOrdered]] = []
+        for got in received:
+            try:
+                if got.record.topic == topics.PLACEMENT_DECIDED:
+                    placement = PlacementDecided.model_validate(got.envelope.payload)
+                    if placement.cluster == self.cluster:
+                        mine.append((got.envelope, placement))
+                else:
+                    mine.append((got.envelope, JobStopOrdered.model_validate(got.envelope.payload)))
+            except ValidationError as exc:
+                dead.append(dead_letter(got.record, str(exc), consumer=self.producer))
+        if not mine and not dead:
+            return
+        try:
+            await self._commit(mine, dead)
+        except Exception:
+            # Memory may be ahead of the store now: rebuild it from the store, then redeliver.
+            await self._reload()
+            raise
+        await self.relay.flush()
+
+    async def _commit(self, items: list[tuple[Envelope, Any]], dead: list[OutMessage]) -> None:
+        async with self.store.pool.acquire() as conn, conn.transaction():
+            fresh = await claim_events(conn, self.store.schema, [e.event_id for e, _ in items])
+            out = list(dead)
+            started: list[RunningJob] = []
+            ended: list[str] = []
+            tombs: list[str] = []
+            epoch_before = self.epoch
+            for env, item in items:
+                if env.event_id not in fresh:
+                    continue
+                if isinstance(item, PlacementDecided):
+                    out.append(self._place(env, item, started))
+                else:
+                    out.extend(self._stop(env, item, ended, tombs))
+            await self.store.write(
+                conn,
+                started=started,
+                ended=ended,
+                epoch=self.epoch if self.epoch != epoch_before else None,
+                tombstones=tombs,
+            )
+            await add_to_outbox(conn, self.store.schema, out)
+        self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
+
+    def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
+        self.metrics.refused.labels(code).inc()
+        refusal = PlacementRefused(
+            job_id=p.job_id,
+            attempt=p.attempt,
+            epoch=p.epoch,
+            cluster=self.cluster,
+            reason_code=code,
+            message=msg,
+        )
+        return self._emit(topics.PLACEMENT_REFUSED, "PlacementRefused", refusal, p.spec.tenant, env)
+
+    def _place(self, env: Envelope, p: PlacementDecided, started: list[RunningJob]) -> OutMessage:
+        if p.epoch < self.epoch:
+            return self._refuse(
+                env,
+                p,
+                "stale_epoch",
+                f"decided by leader epoch {p.epoch}; epoch {self.epoch} leads now",
+            )
+        self.epoch = p.epoch
+        if p.job_id in self.tombstones:
+            return self._refuse(env, p, "canceled", "the job was canceled before it started")
+        if p.job_id in self.running:
+            return self._refuse(
+                env,
+                p,
+                "already_running",
+                f"attempt {self.running[p.job_id].attempt} is still running",
+            )
+        why = self.book.check(p.replicas)
+        if why is not None:
+            return self._refuse(env, p, "would_overcommit", why)
+        self.book.allocate(p.job_id, p.replicas)
+        run = simulate(p.spec, self.default_duration_s)
+        now = utcnow()
+        job = RunningJob(
+            p.job_id,
+            p.attempt,
+            p.epoch,
+            p.spec.tenant,
+            p.replicas,
+            now,
+            now + timedelta(seconds=run.virtual_s / self.time_scale),
+            run.outcome,
+            run.reason_code,
+            run.message,
+        )
+        self._track(job)
+        started.append(job)
+        self.metrics.started.inc()
+        return self._emit(
+            topics.JOB_STARTED,
+            "JobStarted",
+            JobStarted(
+                job_id=p.job_id,
+                attempt=p.attempt,
+                cluster=self.cluster,
+                nodes=job.nodes,
+                started_at=now,
+            ),
+            p.spec.tenant,
+            env,
+        )
+
+    def _stop(
+        self, env: Envelope, cmd: JobStopOrdered, ended: list[str], tombs: list[str]
+    ) -> list[OutMessage]:
+        job = self.running.pop(cmd.job_id, None)
+        if job is None:
+            self.tombstones.add(cmd.job_id)
+            tombs.append(cmd.job_id)
+            return []
+        self.book.release(job.job_id)
+        ended.append(job.job_id)
+        ran = (utcnow() - job.started_at).total_seconds() * self.time_scale
+        self.metrics.finished.labels("canceled").inc()
+        done = JobFinished(
+            job_id=job.job_id,
+            attempt=job.attempt,
+            outcome=Outcome.CANCELED,
+            reason_code=cmd.reason,
+            message=f"stopped on request ({cmd.reason})",
+            cluster=self.cluster,
+            ran_s=round(ran, 3),
+        )
+        return [self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, env)]
+
+    async def finish_due(self, now: float) -> int:
+        """End every job whose (virtual) run time is over."""
+        due: list[RunningJob] = []
+        while self.due and self.due[0][0] <= now:
+            _, job_id, attempt = heapq.heappop(self.due)
+            job = self.running.get(job_id)
+            if job is not None and job.attempt == attempt:
+                due.append(job)
+        if not due:
+            return 0
+        out = []
+        for job in due:
+            ran = (job.ends_at - job.started_at).total_seconds() * self.time_scale
+            done = JobFinished(
+                job_id=job.job_id,
+                attempt=job.attempt,
+                outcome=Outcome(job.outcome),
+                reason_code=job.reason_code,
+                message=job.message,
+                cluster=self.cluster,
+                ran_s=round(ran, 3),
+            )
+            out.append(self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, None))
+        try:
+            async with self.store.pool.acquire() as conn, conn.transaction():
+                await self.store.write(
+                    conn, started=[], ended=[j.job_id for j in due], epoch=None, tombstones=[]
+                )
+                await add_to_outbox(conn, self.store.schema, out)
+        except Exception:
+            for job in due:  # try again on the next tick
+                heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
+            raise
+        for job in due:
+            self.running.pop(job.job_id, None)
+            self.book.release(job.job_id)
+            self.metrics.finished.labels(job.outcome).inc()
+        await self.relay.flush()
+        return len(due)
+
+    async def _reload(self) -> None:
+        for job_id in list(self.book.by_job):
+            self.book.release(job_id)
+        self.running.clear()
+        self.due.clear()
+        await self.restore()

@@ -1,0 +1,122 @@
+"""What each node of this cluster has free, down to the device, and the over-commit guard.
+
+The executor is the last line of defence: whatever the scheduler believed, a placement that
+would put more on a node than it has is refused here with the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.model import Node
+from schemas.events import ReplicaAssignment
+
+EPS = 1e-9
+
+
+@dataclass
+class NodeUse:
+    node: Node
+    devices: list[float] = field(default_factory=list)  # free fraction per device
+    cpu: float = 0.0
+    memory_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = [1.0] * self.node.accelerators
+
+    @property
+    def allocated_accelerators(self) -> float:
+        return sum(1.0 - d for d in self.devices)
+
+
+def _take_devices(devices: list[float], want: float) -> list[tuple[int, float]] | None:
+    """Which devices a replica of `want` accelerators would use, or None if it cannot fit."""
+    if want >= 1:
+        whole = [i for i, free in enumerate(devices) if free >= 1 - EPS]
+        count = round(want)
+        return [(i, 1.0) for i in whole[:count]] if len(whole) >= count else None
+    # A fraction goes to the fullest device it still fits on, keeping whole devices whole.
+    fits = [(free, i) for i, free in enumerate(devices) if free >= want - EPS]
+    if not fits:
+        return None
+    _, best = min(fits)
+    return [(best, want)]
+
+
+class NodeBook:
+    def __init__(self, nodes: dict[str, Node]) -> None:
+        self.use = {node_id: NodeUse(node) for node_id, node in nodes.items()}
+        self.by_job: dict[str, list[tuple[str, list[tuple[int, float]], float, float]]] = {}
+
+    def check(self, replicas: list[ReplicaAssignment]) -> str | None:
+        """Why this gang cannot be honoured on these nodes, or None if it can."""
+        trial = {nid: list(u.devices) for nid, u in self.use.items()}
+        extra_cpu: dict[str, float] = {}
+        extra_mem: dict[str, float] = {}
+        for r in replicas:
+            use = self.use.get(r.node_id)
+            if use is None:
+                return f"node {r.node_id} is not in this cluster"
+            if not use.node.healthy:
+                return f"node {r.node_id} is unhealthy"
+            taken = _take_devices(trial[r.node_id], r.accelerators)
+            if taken is None:
+                free = sum(1 for d in trial[r.node_id] if d >= 1 - EPS)
+                return (
+                    f"node {r.node_id} has {free} whole {use.node.accelerator.type} free of "
+                    f"{use.node.accelerators}; replica {r.replica} asks for {r.accelerators:g}"
+                )
+            for i, amount in taken:
+                trial[r.node_id][i] -= amount
+            extra_cpu[r.node_id] = extra_cpu.get(r.node_id, 0.0) + r.cpu
+            extra_mem[r.node_id] = extra_mem.get(r.node_id, 0.0) + r.memory_gb
+            if use.cpu + extra_cpu[r.node_id] > use.node.cpu + EPS:
+                return (
+                    f"node {r.node_id} has {use.node.cpu - use.cpu:g} CPU free; "
+                    f"placement asks for {extra_cpu[r.node_id]:g}"
+                )
+            if use.memory_gb + extra_mem[r.node_id] > use.node.memory_gb + EPS:
+                return (
+                    f"node {r.node_id} has {use.node.memory_gb - use.memory_gb:g} GB memory "
+                    f"free; placement asks for {extra_mem[r.node_id]:g}"
+                )
+        return None
+
+    def allocate(self, job_id: str, replicas: list[ReplicaAssignment]) -> None:
+        """Bind a gang whose `check` passed."""
+        held = []
+        for r in replicas:
+            use = self.use[r.node_id]
+            taken = _take_devices(use.devices, r.accelerators)
+            assert taken is not None, "allocate() after a failed check()"
+            for i, amount in taken:
+                use.devices[i] -= amount
+            use.cpu += r.cpu
+            use.memory_gb += r.memory_gb
+            held.append((r.node_id, taken, r.cpu, r.memory_gb))
+        self.by_job[job_id] = held
+
+    def release(self, job_id: str) -> bool:
+        held = self.by_job.pop(job_id, None)
+        if held is None:
+            return False
+        for node_id, taken, cpu, mem in held:
+            use = self.use[node_id]
+            for i, amount in taken:
+                use.devices[i] = min(1.0, use.devices[i] + amount)
+            use.cpu -= cpu
+            use.memory_gb -= mem
+        return True
+
+    def audit(self) -> list[str]:
+        """Every node whose books show more allocated than it has (must always be empty)."""
+        bad = []
+        for node_id, use in self.use.items():
+            if (
+                any(d < -EPS for d in use.devices)
+                or use.cpu > use.node.cpu + EPS
+                or use.memory_gb > use.node.memory_gb + EPS
+            ):
+                bad.append(node_id)
+        return bad

@@ -1,0 +1,57 @@
+"""The gateway: REST API for people and tools, and the read model it answers from."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from faststream.kafka.annotations import KafkaMessage
+from redis.asyncio import Redis
+
+from services.common.db import create_pool
+from services.common.kafka import batch_subscriber, make_broker, records_of
+from services.common.policyfile import load_policy
+from services.common.runtime import Runtime, create_http_app
+from services.gateway import routes, store
+from services.gateway.auth import load_tokens
+from services.gateway.context import Gateway
+from services.gateway.handlers import PROJECTED, Projector
+from services.gateway.settings import GatewaySettings
+
+NAME = "gateway"
+
+DESCRIPTION = """Submit ML jobs to Quartermaster and follow them. Every call needs
+`Authorization: Bearer <token>`; a token belongs to one tenant and role, and sees only what
+that role may see."""
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    runtime = Runtime(NAME, settings)
+    broker = make_broker(settings, NAME, runtime.registry)
+    policy = load_policy(settings.policy_file)
+    tokens = load_tokens(settings.auth_file)
+    app = create_http_app(runtime, description=DESCRIPTION, version="1")
+    app.include_router(routes.router)
+    holder: dict[str, Projector] = {}
+
+    @batch_subscriber(broker, *PROJECTED, group_id=settings.group_id, settings=settings)
+    async def on_batch(message: KafkaMessage) -> None:
+        await holder["projector"].process(records_of(message))
+
+    @runtime.on_startup
+    async def start() -> None:
+        pool = await create_pool(settings.database_url, settings.db_pool_size + 4)
+        await store.migrate_gateway(pool)
+        redis = Redis.from_url(settings.redis_url)
+        holder["projector"] = Projector(pool, redis)
+        app.state.gateway = Gateway(settings, pool, redis, broker, policy, tokens)
+        await broker.start()
+
+        async def close() -> None:
+            await broker.stop()
+            await redis.aclose()
+            await pool.close()
+
+        runtime.on_shutdown(close)
+
+    app.state.runtime = runtime
+    return app

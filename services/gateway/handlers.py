@@ -1,0 +1,87 @@
+"""Projecting the job topics into the read model and the live event feed for `qm watch`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import asyncpg
+import structlog
+from aiokafka import ConsumerRecord
+from pydantic import BaseModel, ValidationError
+from redis.asyncio import Redis
+
+from schemas import topics
+from schemas.events import (
+    JobCancelRequested,
+    JobFinished,
+    JobQueued,
+    JobRejected,
+    JobStarted,
+    PlacementDecided,
+    PlacementRefused,
+)
+from services.common.deadletter import decode_envelopes
+from services.gateway import store
+from services.gateway.projection import EventLine, JobView, project
+
+log = structlog.get_logger()
+
+PROJECTED: dict[str, type[BaseModel]] = {
+    topics.JOB_QUEUED: JobQueued,
+    topics.JOB_REJECTED: JobRejected,
+    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_REFUSED: PlacementRefused,
+    topics.JOB_STARTED: JobStarted,
+    topics.JOB_FINISHED: JobFinished,
+    topics.JOB_CANCEL_REQUESTED: JobCancelRequested,
+}
+
+
+def feed_channel(job_id: str) -> str:
+    return f"qm:job-events:{job_id}"
+
+
+class Projector:
+    def __init__(self, pool: asyncpg.Pool, redis: Redis) -> None:
+        self.pool = pool
+        self.redis = redis
+        self.skipped = 0
+
+    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
+        # Bad input is the queue's to dead-letter; the read model just skips what it cannot read.
+        received, dead = decode_envelopes(records, consumer="gateway")
+        self.skipped += len(dead)
+        items = []
+        for got in received:
+            try:
+                payload = PROJECTED[got.record.topic].model_validate(got.envelope.payload)
+            except ValidationError:
+                self.skipped += 1
+                continue
+            if getattr(payload, "job_id", None):
+                items.append((got.envelope, payload))
+        if not items:
+            return
+        lines: list[EventLine] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            views: dict[str, JobView | None] = dict(
+                await store.lock_views(conn, {str(p.job_id) for _, p in items})
+            )
+            changed: dict[str, JobView] = {}
+            for env, payload in items:
+                job_id = str(payload.job_id)
+                new, line = project(views.get(job_id), env, payload)
+                lines.append(line)
+                if new is not None and new != views.get(job_id):
+                    changed[job_id] = new
+                views[job_id] = new
+            fresh = await store.claim_lines(conn, lines)
+            # Replaying an event changes nothing, but only fresh ones are announced.
+            await store.upsert_views(conn, list(changed.values()))
+        lines = [ln for ln in lines if ln.event_id in fresh]
+        if lines:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for ln in lines:
+                    pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
+                await pipe.execute()

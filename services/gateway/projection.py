@@ -1,0 +1,138 @@
+"""The gateway's read model of a job, folded from lifecycle events. Pure.
+
+Like the queue, it only moves a job forward, because events about one job arrive on several
+topics whose relative order is not guaranteed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from schemas.envelope import Envelope
+from schemas.events import (
+    JobCancelRequested,
+    JobFinished,
+    JobQueued,
+    JobRejected,
+    JobStarted,
+    PlacementDecided,
+    PlacementRefused,
+)
+from schemas.job import JobSpec, JobState
+
+_RANK = {JobState.SUBMITTED: 0, JobState.QUEUED: 1, JobState.PLACED: 2, JobState.RUNNING: 3}
+
+
+def rank(state: JobState) -> int:
+    return 4 if state.terminal else _RANK.get(state, 3)
+
+
+@dataclass(frozen=True)
+class JobView:
+    job_id: str
+    tenant: str
+    state: JobState
+    submitted_at: datetime
+    updated_at: datetime
+    spec: JobSpec | None = None
+    attempt: int = 0
+    reason_code: str | None = None
+    message: str | None = None
+    cluster: str | None = None
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EventLine:
+    event_id: str
+    job_id: str
+    at: datetime
+    type: str
+    state: JobState | None
+    reason_code: str | None = None
+    message: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "event_id": self.event_id,
+            "job_id": self.job_id,
+            "at": self.at.isoformat(),
+            "type": self.type,
+            "state": self.state.value if self.state else None,
+            "reason_code": self.reason_code,
+            "message": self.message,
+        }
+
+
+def submitted_view(spec: JobSpec, job_id: str, at: datetime) -> JobView:
+    return JobView(job_id, spec.tenant, JobState.SUBMITTED, at, at, spec=spec)
+
+
+def project(view: JobView | None, env: Envelope, payload: Any) -> tuple[JobView | None, EventLine]:
+    at = env.occurred_at
+    job_id = str(payload.job_id)
+    new = _fold(view, env, payload, at)
+    state = new.state if new is not None else None
+    reason, message = _words(payload, new)
+    return new, EventLine(env.event_id, job_id, at, env.type, state, reason, message)
+
+
+def _advance(view: JobView, state: JobState, at: datetime, **changes: Any) -> JobView:
+    if rank(state) < rank(view.state) or view.state.terminal:
+        return view
+    return replace(view, state=state, updated_at=max(at, view.updated_at), **changes)
+
+
+def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView | None:
+    if isinstance(p, JobQueued):
+        base = view or JobView(p.job_id, p.spec.tenant, JobState.SUBMITTED, p.submitted_at, at)
+        return _advance(replace(base, spec=base.spec or p.spec), JobState.QUEUED, at)
+    if isinstance(p, JobRejected):
+        tenant = view.tenant if view else (env.tenant or "unknown")
+        base = view or JobView(str(p.job_id), tenant, JobState.SUBMITTED, at, at)
+        return _advance(
+            base, JobState.REJECTED, at, reason_code=p.reason_code.value, message=p.message
+        )
+    if view is None:
+        return None  # lifecycle of a job this gateway has not heard of yet
+    if isinstance(p, PlacementDecided):
+        if p.attempt < view.attempt:
+            return view
+        nodes = tuple(sorted({r.node_id for r in p.replicas}))
+        return _advance(
+            view, JobState.PLACED, at, attempt=p.attempt, cluster=p.cluster, nodes=nodes
+        )
+    if isinstance(p, PlacementRefused):
+        if view.state is JobState.PLACED and p.attempt == view.attempt:
+            return replace(view, state=JobState.QUEUED, updated_at=at)
+        return view
+    if isinstance(p, JobStarted):
+        if p.attempt < view.attempt:
+            return view
+        return _advance(
+            view, JobState.RUNNING, at, attempt=p.attempt, cluster=p.cluster, nodes=tuple(p.nodes)
+        )
+    if isinstance(p, JobFinished):
+        return _advance(
+            view, JobState(p.outcome.value), at, reason_code=p.reason_code, message=p.message
+        )
+    return view  # JobCancelRequested changes nothing until the job actually stops
+
+
+def _words(p: Any, view: JobView | None) -> tuple[str | None, str | None]:
+    if isinstance(p, JobRejected):
+        return p.reason_code.value, p.message
+    if isinstance(p, JobFinished | PlacementRefused):
+        return p.reason_code, p.message
+    if isinstance(p, PlacementDecided):
+        nodes = sorted({r.node_id for r in p.replicas})
+        return None, f"placed on {p.cluster}: {', '.join(nodes)} (attempt {p.attempt})"
+    if isinstance(p, JobStarted):
+        return None, f"running on {len(p.nodes)} node(s) in {p.cluster}"
+    if isinstance(p, JobCancelRequested):
+        return "cancel_requested", f"cancel requested by {p.requested_by}"
+    if isinstance(p, JobQueued):
+        return None, f"queued in {p.spec.queue}"
+    return None, None

@@ -1,0 +1,11 @@
+"""Gateway settings (env prefix QM_)."""
+
+from services.common.settings import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings):
+    group_id: str = "gateway"
+    http_port: int = 8080
+    list_limit_max: int = 1000
+    # How long `?follow=true` keeps a quiet event stream open before closing it.
+    watch_idle_timeout_s: float = 3600.0

@@ -1,0 +1,172 @@
+"""The gateway's schema `gateway`: the job read model and each job's event history."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from schemas.job import JobSpec, JobState
+from services.common.db import migrate
+from services.gateway.projection import EventLine, JobView
+
+SCHEMA = "gateway"
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+_COLS = (
+    "job_id, tenant, state, attempt, reason_code, message, cluster, nodes, spec, "
+    "submitted_at, updated_at"
+)
+
+
+async def migrate_gateway(pool: asyncpg.Pool) -> None:
+    await migrate(pool, SCHEMA, MIGRATIONS)
+
+
+def _view(row: asyncpg.Record) -> JobView:
+    spec = JobSpec.model_validate(json.loads(row["spec"])) if row["spec"] else None
+    return JobView(
+        job_id=row["job_id"],
+        tenant=row["tenant"],
+        state=JobState(row["state"]),
+        submitted_at=row["submitted_at"],
+        updated_at=row["updated_at"],
+        spec=spec,
+        attempt=row["attempt"],
+        reason_code=row["reason_code"],
+        message=row["message"],
+        cluster=row["cluster"],
+        nodes=tuple(row["nodes"] or ()),
+    )
+
+
+async def claim_lines(conn: asyncpg.Connection, lines: Sequence[EventLine]) -> set[str]:
+    """Store event lines; return the ids not seen before (the projection applies only those)."""
+    if not lines:
+        return set()
+    rows = await conn.fetch(
+        "INSERT INTO gateway.job_events (event_id, job_id, at, type, state, reason_code, message)"
+        " SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[],"
+        " $6::text[], $7::text[]) ON CONFLICT DO NOTHING RETURNING event_id",
+        [ln.event_id for ln in lines],
+        [ln.job_id for ln in lines],
+        [ln.at for ln in lines],
+        [ln.type for ln in lines],
+        [ln.state.value if ln.state else None for ln in lines],
+        [ln.reason_code for ln in lines],
+        [ln.message for ln in lines],
+    )
+    return {r["event_id"] for r in rows}
+
+
+async def lock_views(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobView]:
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    rows = await conn.fetch(
+        f"SELECT {_COLS} FROM gateway.jobs WHERE job_id = ANY($1::text[]) ORDER BY job_id "
+        "FOR UPDATE",
+        ids,
+    )
+    return {r["job_id"]: _view(r) for r in rows}
+
+
+async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> None:
+    if not views:
+        return
+    await conn.executemany(
+        'INSERT INTO gateway.jobs (job_id, tenant, project, "user", queue, name, state, attempt,'
+        " reason_code, message, cluster, nodes, replicas, accelerators, idempotency_key, spec,"
+        " submitted_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
+        " $13, $14, $15, $16, $17, $18) ON CONFLICT (job_id) DO UPDATE SET state = EXCLUDED.state,"
+        " attempt = EXCLUDED.attempt, reason_code = EXCLUDED.reason_code,"
+        " message = EXCLUDED.message, cluster = EXCLUDED.cluster, nodes = EXCLUDED.nodes,"
+        " spec = COALESCE(gateway.jobs.spec, EXCLUDED.spec),"
+        " project = COALESCE(gateway.jobs.project, EXCLUDED.project),"
+        ' "user" = COALESCE(gateway.jobs."user", EXCLUDED."user"),'
+        " queue = COALESCE(gateway.jobs.queue, EXCLUDED.queue),"
+        " name = COALESCE(gateway.jobs.name, EXCLUDED.name),"
+        " replicas = COALESCE(gateway.jobs.replicas, EXCLUDED.replicas),"
+        " accelerators = COALESCE(gateway.jobs.accelerators, EXCLUDED.accelerators),"
+        " updated_at = EXCLUDED.updated_at",
+        [_row(v) for v in views],
+    )
+
+
+def _row(v: JobView) -> tuple[Any, ...]:
+    s = v.spec
+    return (
+        v.job_id,
+        v.tenant,
+        s.project if s else None,
+        s.user if s else None,
+        s.queue if s else None,
+        s.name if s else None,
+        v.state.value,
+        v.attempt,
+        v.reason_code,
+        v.message,
+        v.cluster,
+        list(v.nodes),
+        s.replicas if s else None,
+        s.total_accelerators if s else None,
+        s.idempotency_key if s else None,
+        s.model_dump_json(exclude_none=True) if s else None,
+        v.submitted_at,
+        v.updated_at,
+    )
+
+
+async def insert_submitted(pool: asyncpg.Pool, view: JobView) -> str | None:
+    """Record a job the gateway just accepted. Returns the existing job id instead when the
+    tenant already used this idempotency key."""
+    key = view.spec.idempotency_key if view.spec else None
+    async with pool.acquire() as conn, conn.transaction():
+        if key:
+            existing = await conn.fetchval(
+                "SELECT job_id FROM gateway.jobs WHERE tenant = $1 AND idempotency_key = $2",
+                view.tenant,
+                key,
+            )
+            if existing:
+                return str(existing)
+        await upsert_views(conn, [view])
+    return None
+
+
+async def get_job(pool: asyncpg.Pool, job_id: str) -> asyncpg.Record | None:
+    return await pool.fetchrow(
+        'SELECT job_id, tenant, project, "user", queue, name, state, reason_code, message,'
+        " cluster, nodes, replicas, accelerators, spec, submitted_at, updated_at"
+        " FROM gateway.jobs WHERE job_id = $1",
+        job_id,
+    )
+
+
+async def history(pool: asyncpg.Pool, job_id: str) -> list[asyncpg.Record]:
+    return await pool.fetch(
+        "SELECT event_id, job_id, at, type, state, reason_code, message FROM gateway.job_events"
+        " WHERE job_id = $1 ORDER BY at, event_id",
+        job_id,
+    )
+
+
+async def list_jobs(
+    pool: asyncpg.Pool, *, tenant: str | None, state: str | None, queue: str | None, limit: int
+) -> list[asyncpg.Record]:
+    where, args = [], []
+    for column, value in (("tenant", tenant), ("state", state), ("queue", queue)):
+        if value is not None:
+            args.append(value)
+            where.append(f"{column} = ${len(args)}")
+    args.append(limit)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    return await pool.fetch(
+        "SELECT job_id, tenant, project, queue, name, state, replicas, accelerators, cluster,"
+        f" submitted_at, updated_at FROM gateway.jobs {clause}"
+        f" ORDER BY submitted_at DESC LIMIT ${len(args)}",
+        *args,
+    )

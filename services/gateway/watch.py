@@ -1,0 +1,53 @@
+"""Server-sent events for one job: its history so far, then each new event as it happens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from schemas.job import JobState
+from services.gateway import store
+from services.gateway.context import Gateway
+from services.gateway.handlers import feed_channel
+
+TERMINAL = {s.value for s in JobState if s.terminal}
+
+
+def _sse(item: dict[str, object]) -> str:
+    return f"data: {json.dumps(item, default=str)}\n\n"
+
+
+async def event_stream(gw: Gateway, job_id: str) -> AsyncIterator[str]:
+    pubsub = gw.redis.pubsub()
+    # Subscribe before reading history so nothing falls between the two.
+    await pubsub.subscribe(feed_channel(job_id))
+    try:
+        seen: set[str] = set()
+        for row in await store.history(gw.pool, job_id):
+            item = {
+                k: row[k] for k in ("event_id", "job_id", "type", "state", "reason_code", "message")
+            } | {"at": row["at"].isoformat()}
+            seen.add(row["event_id"])
+            yield _sse(item)
+            if row["state"] in TERMINAL:
+                return
+        idle = 0.0
+        while idle < gw.settings.watch_idle_timeout_s:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if msg is None:
+                idle += 1.0
+                yield ": keep-alive\n\n"
+                await asyncio.sleep(0)
+                continue
+            idle = 0.0
+            item = json.loads(msg["data"])
+            if item["event_id"] in seen:
+                continue
+            seen.add(item["event_id"])
+            yield _sse(item)
+            if item.get("state") in TERMINAL:
+                return
+    finally:
+        await pubsub.unsubscribe()
+        await pubsub.aclose()

@@ -1,0 +1,114 @@
+"""Turning one batch of raw records into typed items for the queue, dead-lettering the rest."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import ConsumerRecord
+from pydantic import BaseModel, ValidationError
+
+from schemas import topics
+from schemas.envelope import Envelope
+from schemas.events import (
+    JobCancelRequested,
+    JobFinished,
+    JobStarted,
+    PlacementDecided,
+    PlacementRefused,
+)
+from schemas.validation import (
+    Submission,
+    Unparseable,
+    describe_validation_error,
+    parse_submission,
+)
+from services.common.deadletter import dead_letter, decode_envelopes
+from services.common.kafka import OutMessage
+
+CONSUMER = "queue"
+
+LIFECYCLE_PAYLOADS: dict[str, type[BaseModel]] = {
+    topics.JOB_CANCEL_REQUESTED: JobCancelRequested,
+    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_REFUSED: PlacementRefused,
+    topics.JOB_STARTED: JobStarted,
+    topics.JOB_FINISHED: JobFinished,
+}
+SUBSCRIBED = (topics.JOB_SUBMITTED, *LIFECYCLE_PAYLOADS)
+
+_ID_NAMESPACE = uuid.UUID("6f1c2b0e-8d0a-4c4e-9d1e-5b7a0f6c2a11")
+
+
+@dataclass(frozen=True)
+class NewJob:
+    event_id: str
+    job_id: str
+    submission: Submission
+
+
+@dataclass(frozen=True)
+class BadJob:
+    event_id: str
+    bad: Unparseable
+    dead: OutMessage
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    envelope: Envelope
+    payload: Any  # one of LIFECYCLE_PAYLOADS' types; has .job_id
+
+
+Item = NewJob | BadJob | LifecycleEvent
+
+
+def record_identity(record: ConsumerRecord[Any, Any]) -> str:
+    """Stable across redelivery of the same record, distinct after a broker restart."""
+    coords = f"{record.topic}/{record.partition}/{record.offset}/{record.timestamp}"
+    return str(uuid.uuid5(_ID_NAMESPACE, coords))
+
+
+def read_batch(
+    records: tuple[ConsumerRecord[Any, Any], ...],
+) -> tuple[list[Item], list[OutMessage]]:
+    items: list[Item] = []
+    dead: list[OutMessage] = []
+    lifecycle: list[ConsumerRecord[Any, Any]] = []
+    for record in records:
+        if record.topic == topics.JOB_SUBMITTED:
+            items.append(_read_submission(record))
+        else:
+            lifecycle.append(record)
+    decoded, undecodable = decode_envelopes(tuple(lifecycle), consumer=CONSUMER)
+    dead.extend(undecodable)
+    for got in decoded:
+        model = LIFECYCLE_PAYLOADS[got.record.topic]
+        try:
+            payload = model.model_validate(got.envelope.payload)
+        except ValidationError as exc:
+            dead.append(dead_letter(got.record, describe_validation_error(exc), consumer=CONSUMER))
+            continue
+        items.append(LifecycleEvent(got.envelope, payload))
+    return items, dead
+
+
+def _read_submission(record: ConsumerRecord[Any, Any]) -> Item:
+    parsed = parse_submission(record.value or b"")
+    identity = record_identity(record)
+    if isinstance(parsed, Unparseable):
+        return BadJob(
+            identity,
+            parsed,
+            dead_letter(
+                record,
+                f"{parsed.reason.value}: {parsed.message}",
+                consumer=CONSUMER,
+                tenant=parsed.tenant,
+            ),
+        )
+    # A bare spec carries no event id: the record's coordinates stand in for one.
+    event_id = identity if parsed.bare else parsed.envelope.event_id
+    job_id = parsed.spec.job_id or identity
+    return NewJob(event_id, job_id, parsed)

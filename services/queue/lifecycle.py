@@ -1,0 +1,211 @@
+"""The job state machine as the queue keeps it: each event in, the new record, the history
+line and the events to announce out. Pure apart from stamping new envelopes.
+
+Events about one job arrive on several topics, so their relative order is not guaranteed:
+transitions only move forward (by rank), and an event for an older attempt changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from schemas import topics
+from schemas.envelope import Envelope
+from schemas.events import (
+    JobCancelRequested,
+    JobFinished,
+    JobStarted,
+    JobStopOrdered,
+    Outcome,
+    PlacementDecided,
+    PlacementRefused,
+)
+from schemas.job import JobState
+from services.common.kafka import OutMessage, envelope_for
+
+PRODUCER = "queue"
+
+_RANK = {
+    JobState.SUBMITTED: 0,
+    JobState.QUEUED: 1,
+    JobState.PLACED: 2,
+    JobState.RUNNING: 3,
+    JobState.PREEMPTING: 3,
+}
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    tenant: str
+    state: JobState
+    submitted_at: datetime
+    updated_at: datetime
+    attempt: int = 0
+    cluster: str | None = None
+    cancel_requested: bool = False
+    reason_code: str | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    job_id: str
+    at: datetime
+    state: JobState
+    event_type: str
+    event_id: str
+    reason_code: str | None = None
+    message: str | None = None
+
+
+@dataclass
+class Step:
+    """What applying one event produced."""
+
+    record: JobRecord
+    history: list[HistoryEntry] = field(default_factory=list)
+    emits: list[OutMessage] = field(default_factory=list)
+
+
+def _rank(state: JobState) -> int:
+    return 4 if state.terminal else _RANK[state]
+
+
+def _note(step: Step, env: Envelope, reason: str | None = None, message: str | None = None) -> None:
+    rec = step.record
+    step.history.append(
+        HistoryEntry(
+            rec.job_id, env.occurred_at, rec.state, env.type, env.event_id, reason, message
+        )
+    )
+
+
+def _stop(rec: JobRecord, env: Envelope, reason: str) -> OutMessage:
+    cmd = JobStopOrdered(job_id=rec.job_id, reason=reason)
+    return OutMessage(
+        topics.JOB_STOP_ORDERED,
+        rec.job_id,
+        envelope_for("JobStopOrdered", cmd, producer=PRODUCER, tenant=rec.tenant, cause=env),
+    )
+
+
+def _finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: str) -> OutMessage:
+    done = JobFinished(
+        job_id=rec.job_id,
+        outcome=outcome,
+        reason_code=reason,
+        message=msg,
+        attempt=rec.attempt or None,
+        cluster=rec.cluster,
+    )
+    return OutMessage(
+        topics.JOB_FINISHED,
+        rec.job_id,
+        envelope_for("JobFinished", done, producer=PRODUCER, tenant=rec.tenant, cause=env),
+    )
+
+
+def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
+    step = Step(rec)
+    if rec.state is JobState.CANCELED or rec.cancel_requested:
+        step.emits.append(_stop(rec, env, "canceled"))
+        _note(step, env, "stop_ordered", f"placed on {p.cluster} after cancel; stop ordered")
+        return step
+    if rec.state.terminal or p.attempt < rec.attempt:
+        return step
+    if _rank(rec.state) <= _rank(JobState.PLACED):
+        step.record = replace(
+            rec,
+            state=JobState.PLACED,
+            attempt=p.attempt,
+            cluster=p.cluster,
+            updated_at=env.occurred_at,
+        )
+    nodes = sorted({r.node_id for r in p.replicas})
+    _note(step, env, None, f"placed on {p.cluster}: {', '.join(nodes)}")
+    return step
+
+
+def on_refused(rec: JobRecord, p: PlacementRefused, env: Envelope) -> Step:
+    step = Step(rec)
+    if rec.state is not JobState.PLACED or p.attempt != rec.attempt:
+        return step
+    if rec.cancel_requested:
+        step.record = replace(
+            rec,
+            state=JobState.CANCELED,
+            reason_code="canceled",
+            message="canceled before it started",
+            updated_at=env.occurred_at,
+        )
+        step.emits.append(
+            _finish(step.record, env, Outcome.CANCELED, "canceled", "canceled before it started")
+        )
+    else:
+        step.record = replace(rec, state=JobState.QUEUED, updated_at=env.occurred_at)
+    _note(step, env, p.reason_code, p.message)
+    return step
+
+
+def on_started(rec: JobRecord, p: JobStarted, env: Envelope) -> Step:
+    step = Step(rec)
+    if rec.state is JobState.CANCELED:
+        step.emits.append(_stop(rec, env, "canceled"))
+        _note(step, env, "stop_ordered", "started after cancel; stop ordered")
+        return step
+    if rec.state.terminal or p.attempt < rec.attempt:
+        return step
+    step.record = replace(
+        rec,
+        state=JobState.RUNNING,
+        attempt=p.attempt,
+        cluster=p.cluster,
+        updated_at=env.occurred_at,
+    )
+    _note(step, env, None, f"running on {len(p.nodes)} node(s) in {p.cluster}")
+    return step
+
+
+def on_finished(rec: JobRecord, p: JobFinished, env: Envelope) -> Step:
+    step = Step(rec)
+    if rec.state.terminal:
+        return step
+    if p.attempt is not None and p.attempt < rec.attempt:
+        return step
+    step.record = replace(
+        rec,
+        state=JobState(p.outcome.value),
+        reason_code=p.reason_code,
+        message=p.message,
+        updated_at=env.occurred_at,
+    )
+    _note(step, env, p.reason_code, p.message)
+    return step
+
+
+def on_cancel(rec: JobRecord, p: JobCancelRequested, env: Envelope) -> Step:
+    step = Step(rec)
+    if rec.state.terminal:
+        _note(step, env, "cancel_ignored", f"cancel ignored: job already {rec.state.value}")
+        return step
+    who = p.requested_by
+    if _rank(rec.state) <= _rank(JobState.QUEUED):
+        msg = f"canceled by {who} while {rec.state.value}"
+        step.record = replace(
+            rec,
+            state=JobState.CANCELED,
+            reason_code="canceled",
+            message=msg,
+            updated_at=env.occurred_at,
+        )
+        step.emits.append(_finish(step.record, env, Outcome.CANCELED, "canceled", msg))
+        # A placement may already be in flight: make sure it is stopped wherever it lands.
+        step.emits.append(_stop(step.record, env, "canceled"))
+    else:
+        step.record = replace(rec, cancel_requested=True, updated_at=env.occurred_at)
+        step.emits.append(_stop(rec, env, "canceled"))
+        msg = f"cancel requested by {who}; stopping on {rec.cluster}"
+    _note(step, env, "canceled", msg)
+    return step

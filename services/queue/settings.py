@@ -1,0 +1,7 @@
+"""Queue settings (env prefix QM_)."""
+
+from services.common.settings import ServiceSettings
+
+
+class QueueSettings(ServiceSettings):
+    group_id: str = "queue"

@@ -1,0 +1,170 @@
+"""The queue's PostgreSQL schema `queue`: jobs, their history, rejections, outbox. Batched."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import asyncpg
+
+from schemas.job import JobSpec, JobState
+from services.common.db import migrate
+from services.queue.lifecycle import HistoryEntry, JobRecord
+
+SCHEMA = "queue"
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+_COLUMNS = (
+    "job_id, tenant, state, attempt, cluster, cancel_requested, reason_code, message, "
+    "submitted_at, updated_at"
+)
+
+
+async def migrate_queue(pool: asyncpg.Pool) -> list[str]:
+    return await migrate(pool, SCHEMA, MIGRATIONS)
+
+
+def _record(row: asyncpg.Record) -> JobRecord:
+    return JobRecord(
+        job_id=row["job_id"],
+        tenant=row["tenant"],
+        state=JobState(row["state"]),
+        attempt=row["attempt"],
+        cluster=row["cluster"],
+        cancel_requested=row["cancel_requested"],
+        reason_code=row["reason_code"],
+        message=row["message"],
+        submitted_at=row["submitted_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+async def lock_jobs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobRecord]:
+    ids = sorted(set(job_ids))  # a stable lock order keeps two replicas from deadlocking
+    if not ids:
+        return {}
+    rows = await conn.fetch(
+        f"SELECT {_COLUMNS} FROM queue.jobs WHERE job_id = ANY($1::text[]) "
+        "ORDER BY job_id FOR UPDATE",
+        ids,
+    )
+    return {r["job_id"]: _record(r) for r in rows}
+
+
+async def find_by_idempotency(
+    conn: asyncpg.Connection, keys: Iterable[tuple[str, str]]
+) -> dict[tuple[str, str], str]:
+    pairs = sorted(set(keys))
+    if not pairs:
+        return {}
+    rows = await conn.fetch(
+        "SELECT j.tenant, j.idempotency_key, j.job_id FROM queue.jobs j "
+        "JOIN unnest($1::text[], $2::text[]) AS k(tenant, key) "
+        "ON j.tenant = k.tenant AND j.idempotency_key = k.key",
+        [p[0] for p in pairs],
+        [p[1] for p in pairs],
+    )
+    return {(r["tenant"], r["idempotency_key"]): r["job_id"] for r in rows}
+
+
+async def insert_jobs(conn: asyncpg.Connection, jobs: Sequence[tuple[JobRecord, JobSpec]]) -> None:
+    if not jobs:
+        return
+    await conn.copy_records_to_table(
+        "jobs",
+        schema_name=SCHEMA,
+        columns=[
+            "job_id",
+            "tenant",
+            "idempotency_key",
+            "state",
+            "attempt",
+            "cluster",
+            "cancel_requested",
+            "reason_code",
+            "message",
+            "spec",
+            "submitted_at",
+            "updated_at",
+        ],
+        records=[
+            (
+                r.job_id,
+                r.tenant,
+                s.idempotency_key,
+                r.state.value,
+                r.attempt,
+                r.cluster,
+                r.cancel_requested,
+                r.reason_code,
+                r.message,
+                s.model_dump_json(exclude_none=True),
+                r.submitted_at,
+                r.updated_at,
+            )
+            for r, s in jobs
+        ],
+    )
+
+
+async def update_jobs(conn: asyncpg.Connection, records: Sequence[JobRecord]) -> None:
+    if not records:
+        return
+    await conn.execute(
+        "UPDATE queue.jobs AS j SET state = u.state, attempt = u.attempt, cluster = u.cluster, "
+        "cancel_requested = u.cancel_requested, reason_code = u.reason_code, "
+        "message = u.message, updated_at = u.updated_at "
+        "FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bool[], $6::text[], "
+        "$7::text[], $8::timestamptz[]) "
+        "AS u(job_id, state, attempt, cluster, cancel_requested, reason_code, message, updated_at)"
+        " WHERE j.job_id = u.job_id",
+        [r.job_id for r in records],
+        [r.state.value for r in records],
+        [r.attempt for r in records],
+        [r.cluster for r in records],
+        [r.cancel_requested for r in records],
+        [r.reason_code for r in records],
+        [r.message for r in records],
+        [r.updated_at for r in records],
+    )
+
+
+async def add_history(conn: asyncpg.Connection, entries: Sequence[HistoryEntry]) -> None:
+    if not entries:
+        return
+    await conn.copy_records_to_table(
+        "job_history",
+        schema_name=SCHEMA,
+        columns=["job_id", "at", "state", "event_type", "event_id", "reason_code", "message"],
+        records=[
+            (e.job_id, e.at, e.state.value, e.event_type, e.event_id, e.reason_code, e.message)
+            for e in entries
+        ],
+    )
+
+
+async def add_rejections(
+    conn: asyncpg.Connection, rows: Sequence[tuple[str, str | None, str | None, str, str, object]]
+) -> None:
+    """rows: (event_id, job_id, tenant, reason_code, message, at)."""
+    if rows:
+        await conn.executemany(
+            "INSERT INTO queue.rejections (event_id, job_id, tenant, reason_code, message, at) "
+            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+            rows,
+        )
+
+
+async def job_history(conn: asyncpg.Connection, job_id: str) -> list[dict[str, object]]:
+    rows = await conn.fetch(
+        "SELECT at, state, event_type, reason_code, message FROM queue.job_history "
+        "WHERE job_id = $1 ORDER BY id",
+        job_id,
+    )
+    return [dict(r) for r in rows]
+
+
+async def job_spec(conn: asyncpg.Connection, job_id: str) -> JobSpec | None:
+    raw = await conn.fetchval("SELECT spec FROM queue.jobs WHERE job_id = $1", job_id)
+    return None if raw is None else JobSpec.model_validate(json.loads(raw))

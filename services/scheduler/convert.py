@@ -1,0 +1,117 @@
+"""The one place where wire models become the core's dataclasses, and decisions become events."""
+
+from __future__ import annotations
+
+from core.model import (
+    AcceleratorModel,
+    Allocation,
+    Cluster,
+    ClusterId,
+    ClusterKind,
+    JobId,
+    JobRequest,
+    Node,
+    NodeId,
+    PriceTier,
+    ReplicaPlacement,
+    TenantId,
+    TopologyLevel,
+    WorkloadKind,
+)
+from schemas.events import ClusterCapacity, JobQueued, PlacementDecided, ReplicaAssignment
+
+
+def job_request(event: JobQueued) -> JobRequest:
+    spec = event.spec
+    res = spec.resources
+    return JobRequest(
+        job_id=JobId(event.job_id),
+        tenant=TenantId(spec.tenant),
+        project=spec.project,
+        user=spec.user,
+        queue=spec.queue,
+        priority_class=spec.priority_class,
+        kind=WorkloadKind(spec.kind.value),
+        replicas=spec.replicas,
+        accelerators=res.accelerators,
+        accelerator_types=tuple(res.accelerator_types),
+        accelerator_memory_gb=res.accelerator_memory_gb,
+        cpu=res.cpu,
+        memory_gb=res.memory_gb,
+        topology=TopologyLevel(spec.topology.level.value),
+        topology_required=spec.topology.required,
+        preemptible=spec.preemptible,
+        submit_time=event.submitted_at.timestamp(),
+        max_runtime_s=spec.max_runtime_s,
+    )
+
+
+def cluster_and_nodes(event: ClusterCapacity) -> tuple[Cluster, dict[NodeId, Node]]:
+    cluster_id = ClusterId(event.cluster)
+    prices = {
+        (acc_type, PriceTier(tier)): price
+        for acc_type, tiers in event.prices.items()
+        for tier, price in tiers.items()
+    }
+    cluster = Cluster(cluster_id, event.location, ClusterKind(event.kind), prices)
+    nodes = {
+        NodeId(n.node_id): Node(
+            node_id=NodeId(n.node_id),
+            cluster=cluster_id,
+            block=n.block,
+            rack=n.rack,
+            nvlink_domain=n.nvlink_domain,
+            accelerator=AcceleratorModel(
+                n.accelerator_type, n.generation, n.accelerator_memory_gb, n.relative_speed
+            ),
+            accelerators=n.accelerators,
+            cpu=n.cpu,
+            memory_gb=n.memory_gb,
+            price_tier=PriceTier(n.price_tier),
+            healthy=n.healthy,
+        )
+        for n in event.nodes
+    }
+    return cluster, nodes
+
+
+def placement_event(
+    alloc: Allocation,
+    queued: JobQueued,
+    *,
+    attempt: int,
+    epoch: int,
+    leader: str,
+    accelerator_type: str,
+) -> PlacementDecided:
+    return PlacementDecided(
+        job_id=alloc.job.job_id,
+        attempt=attempt,
+        epoch=epoch,
+        leader=leader,
+        cluster=alloc.cluster,
+        accelerator_type=accelerator_type,
+        replicas=[
+            ReplicaAssignment(
+                replica=r.replica,
+                node_id=r.node_id,
+                accelerators=r.accelerators,
+                cpu=r.cpu,
+                memory_gb=r.memory_gb,
+            )
+            for r in alloc.replicas
+        ],
+        spec=queued.spec,
+    )
+
+
+def allocation_from_event(p: PlacementDecided, request: JobRequest, at: float) -> Allocation:
+    return Allocation(
+        job=request,
+        cluster=ClusterId(p.cluster),
+        replicas=tuple(
+            ReplicaPlacement(r.replica, NodeId(r.node_id), r.accelerators, r.cpu, r.memory_gb)
+            for r in p.replicas
+        ),
+        start_time=at,
+    )

@@ -1,0 +1,102 @@
+"""The scheduler's in-memory view of the fleet and of pending and running work, built only
+from events. Replaying the topics from the start rebuilds it exactly."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from core.model import Allocation, Cluster, ClusterId, JobId, JobRequest, Node, NodeId, Snapshot
+from schemas.events import (
+    ClusterCapacity,
+    JobFinished,
+    JobQueued,
+    PlacementDecided,
+    PlacementRefused,
+)
+from services.scheduler.convert import allocation_from_event, cluster_and_nodes, job_request
+
+# Finished ids are remembered so a late `job.queued` cannot resurrect a job; bounded.
+FINISHED_MEMORY = 500_000
+
+
+@dataclass
+class SchedulerState:
+    clusters: dict[ClusterId, Cluster] = field(default_factory=dict)
+    nodes: dict[NodeId, Node] = field(default_factory=dict)
+    pending: dict[JobId, JobRequest] = field(default_factory=dict)
+    running: dict[JobId, Allocation] = field(default_factory=dict)
+    queued: dict[JobId, JobQueued] = field(default_factory=dict)
+    attempts: dict[JobId, int] = field(default_factory=dict)
+    running_attempt: dict[JobId, int] = field(default_factory=dict)
+    finished: OrderedDict[JobId, None] = field(default_factory=OrderedDict)
+    # Set when something happened that could let a pending job in; the cycle clears it.
+    dirty: bool = True
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            clusters=self.clusters,
+            nodes=self.nodes,
+            running=self.running,
+            pending=list(self.pending.values()),
+        )
+
+    def on_capacity(self, event: ClusterCapacity) -> None:
+        cluster, nodes = cluster_and_nodes(event)
+        self.clusters[cluster.cluster_id] = cluster
+        for node_id in [n for n, node in self.nodes.items() if node.cluster == cluster.cluster_id]:
+            if node_id not in nodes:
+                del self.nodes[node_id]
+        self.nodes.update(nodes)
+        self.dirty = True
+
+    def on_queued(self, event: JobQueued) -> None:
+        job_id = JobId(event.job_id)
+        if job_id in self.finished or job_id in self.running:
+            return
+        self.queued[job_id] = event
+        self.pending[job_id] = job_request(event)
+        self.dirty = True
+
+    def on_placed(self, event: PlacementDecided, at: float) -> None:
+        """A placement, ours or a previous leader's; applying it twice changes nothing."""
+        job_id = JobId(event.job_id)
+        self.attempts[job_id] = max(self.attempts.get(job_id, 0), event.attempt)
+        if job_id in self.finished:
+            return
+        if self.running_attempt.get(job_id, -1) >= event.attempt:
+            return
+        queued = self.queued.get(job_id)
+        request = self.pending.pop(job_id, None) or (
+            job_request(queued) if queued is not None else None
+        )
+        if request is None:
+            return  # placement seen before its job.queued; the queued event will bring it
+        self.running[job_id] = allocation_from_event(event, request, at)
+        self.running_attempt[job_id] = event.attempt
+
+    def on_refused(self, event: PlacementRefused) -> None:
+        job_id = JobId(event.job_id)
+        if self.running_attempt.get(job_id) != event.attempt:
+            return
+        alloc = self.running.pop(job_id)
+        del self.running_attempt[job_id]
+        if job_id not in self.finished:
+            self.pending[job_id] = alloc.job
+        self.dirty = True
+
+    def on_finished(self, event: JobFinished) -> None:
+        job_id = JobId(event.job_id)
+        self.pending.pop(job_id, None)
+        self.queued.pop(job_id, None)
+        self.attempts.pop(job_id, None)
+        freed = self.running.pop(job_id, None)
+        self.running_attempt.pop(job_id, None)
+        self.finished[job_id] = None
+        if len(self.finished) > FINISHED_MEMORY:
+            self.finished.popitem(last=False)
+        if freed is not None:
+            self.dirty = True
+
+    def next_attempt(self, job_id: JobId) -> int:
+        return self.attempts.get(job_id, 0) + 1
