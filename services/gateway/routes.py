@@ -10,7 +10,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from schemas import topics
-from schemas.envelope import utcnow
 from schemas.events import JobCancelRequested
 from schemas.ids import new_id
 from schemas.job import JobSpec, JobState
@@ -30,7 +29,7 @@ from services.gateway.api_models import (
 )
 from services.gateway.auth import Principal, Role, authenticate
 from services.gateway.context import Gateway
-from services.gateway.projection import submitted_view
+from services.gateway.projection import EventLine, submitted_view
 from services.gateway.watch import event_stream
 
 router = APIRouter(prefix="/v1")
@@ -83,15 +82,17 @@ async def submit_job(
         raise HTTPException(
             422, detail={"reason_code": rejection.reason.value, "message": rejection.message}
         )
-    now = utcnow()
-    existing = await store.insert_submitted(gw.pool, submitted_view(spec, job_id, now))
+    env = envelope_for("JobSubmitted", spec, producer="gateway", tenant=tenant)
+    line = EventLine(env.event_id, job_id, env.occurred_at, env.type, JobState.SUBMITTED, None,
+                     f"submitted by {spec.user} to queue {spec.queue}")
+    view = submitted_view(spec, job_id, env.occurred_at)
+    existing = await store.insert_submitted(gw.pool, view, line)
     if existing is not None:
         row = await store.get_job(gw.pool, existing)
         response.status_code = 200
         return Submitted(
             job_id=existing, state=row["state"] if row else "submitted", duplicate=True
         )
-    env = envelope_for("JobSubmitted", spec, producer="gateway", tenant=tenant)
     await publish_all(gw.broker, [OutMessage(topics.JOB_SUBMITTED, job_id, env)])
     return Submitted(job_id=job_id, state=JobState.SUBMITTED.value)
 

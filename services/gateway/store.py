@@ -120,9 +120,9 @@ def _row(v: JobView) -> tuple[Any, ...]:
     )
 
 
-async def insert_submitted(pool: asyncpg.Pool, view: JobView) -> str | None:
-    """Record a job the gateway just accepted. Returns the existing job id instead when the
-    tenant already used this idempotency key."""
+async def insert_submitted(pool: asyncpg.Pool, view: JobView, line: EventLine) -> str | None:
+    """Record a job the gateway just accepted and its first history line. Returns the existing
+    job id instead when the tenant already used this idempotency key."""
     key = view.spec.idempotency_key if view.spec else None
     async with pool.acquire() as conn, conn.transaction():
         if key:
@@ -134,6 +134,7 @@ async def insert_submitted(pool: asyncpg.Pool, view: JobView) -> str | None:
             if existing:
                 return str(existing)
         await upsert_views(conn, [view])
+        await claim_lines(conn, [line])
     return None
 
 

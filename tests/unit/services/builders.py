@@ -1,0 +1,44 @@
+"""Readable builders for service-level unit tests."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from core.policy import Policy
+from schemas.envelope import Envelope
+from schemas.job import JobSpec
+from schemas.validation import Submission
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+POLICY_DOC: dict[str, Any] = {
+    "priority_classes": [{"name": "low", "rank": 0}, {"name": "normal", "rank": 10}],
+    "accelerator_types": {
+        "H100": {"generation": "hopper", "memory_gb": 80, "relative_speed": 3},
+        "A100": {"generation": "ampere", "memory_gb": 80, "relative_speed": 1.6},
+    },
+    "tenants": {
+        "vision": {"queues": ["default", "batch"], "max_replicas": 4, "max_accelerators": 32},
+        "nlp": {},
+    },
+}
+
+
+def policy() -> Policy:
+    return Policy.from_dict(POLICY_DOC)
+
+
+def spec(**fields: Any) -> JobSpec:
+    return JobSpec.model_validate({"tenant": "vision", **fields})
+
+
+def submission(**fields: Any) -> Submission:
+    s = spec(**fields)
+    env = Envelope(type="JobSubmitted", tenant=s.tenant, occurred_at=T0,
+                   payload=s.model_dump(mode="json"))
+    return Submission(env, s)
+
+
+def event(event_type: str, payload: Any, at: datetime = T0) -> Envelope:
+    return Envelope(type=event_type, occurred_at=at, payload=payload.model_dump(mode="json"))

@@ -1,0 +1,82 @@
+"""The executor's over-commit guard, down to shared devices."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.model import AcceleratorModel, ClusterId, Node, NodeId
+from schemas.events import ReplicaAssignment
+from services.executor.nodes import NodeBook
+
+H100 = AcceleratorModel("H100", "hopper", 80, 3.0)
+
+
+def nodes(count: int, gpus: int = 8) -> dict[str, Node]:
+    return {
+        f"n{i}": Node(NodeId(f"n{i}"), ClusterId("c"), "b0", "r0", f"d{i}", H100, gpus, 64, 512)
+        for i in range(count)
+    }
+
+
+def rep(node: str, gpus: float, replica: int = 0, cpu: float = 1, mem: float = 1
+        ) -> ReplicaAssignment:
+    return ReplicaAssignment(replica=replica, node_id=node, accelerators=gpus, cpu=cpu,
+                             memory_gb=mem)
+
+
+def test_a_gang_that_fits_is_allocated_and_released() -> None:
+    book = NodeBook(nodes(2))
+    gang = [rep("n0", 8), rep("n1", 8, replica=1)]
+    assert book.check(gang) is None
+    book.allocate("j", gang)
+    assert book.check([rep("n0", 1)]) is not None
+    assert book.release("j")
+    assert book.check([rep("n0", 8)]) is None
+
+
+def test_refusal_names_the_node_and_the_numbers() -> None:
+    book = NodeBook(nodes(1))
+    book.allocate("j", [rep("n0", 6)])
+    why = book.check([rep("n0", 4)])
+    assert why is not None and "n0" in why and "2 whole H100 free of 8" in why
+
+
+def test_two_replicas_of_one_gang_cannot_share_what_is_not_there() -> None:
+    book = NodeBook(nodes(1))
+    assert book.check([rep("n0", 6), rep("n0", 6, replica=1)]) is not None
+
+
+def test_fractions_share_a_device_until_it_is_full() -> None:
+    book = NodeBook(nodes(1, gpus=1))
+    book.allocate("a", [rep("n0", 0.5)])
+    book.allocate("b", [rep("n0", 0.25)])
+    assert book.check([rep("n0", 0.5)]) is not None
+    assert book.check([rep("n0", 0.25)]) is None
+    assert book.check([rep("n0", 1)]) is not None
+
+
+def test_cpu_and_memory_are_guarded_too() -> None:
+    book = NodeBook(nodes(1))
+    assert "CPU" in (book.check([rep("n0", 1, cpu=65)]) or "")
+    assert "memory" in (book.check([rep("n0", 1, mem=513)]) or "")
+
+
+def test_unknown_nodes_are_refused() -> None:
+    assert "not in this cluster" in (NodeBook(nodes(1)).check([rep("zz", 1)]) or "")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.25, 0.5, 1, 2, 4, 8])),
+                min_size=1, max_size=40))
+def test_whatever_is_asked_the_books_never_overcommit(asks: list[tuple[int, float]]) -> None:
+    book = NodeBook(nodes(3))
+    for i, (node, gpus) in enumerate(asks):
+        replicas = [rep(f"n{node}", gpus)]
+        if book.check(replicas) is None:
+            book.allocate(f"j{i}", replicas)
+        assert book.audit() == []
+        if i % 3 == 2:
+            book.release(f"j{i - 1}")
+    assert all(u.allocated_accelerators <= u.node.accelerators + 1e-9
+               for u in book.use.values())

@@ -1,0 +1,144 @@
+"""The queue's batch planning and job state machine, without a database or broker."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from schemas import topics
+from schemas.events import (
+    JobCancelRequested,
+    JobFinished,
+    JobStarted,
+    Outcome,
+    PlacementDecided,
+    PlacementRefused,
+    ReplicaAssignment,
+)
+from schemas.job import JobState
+from services.queue.intake import LifecycleEvent, NewJob
+from services.queue.lifecycle import JobRecord
+from services.queue.planning import plan_batch
+from tests.unit.services.builders import T0, event, policy, spec, submission
+
+
+def new_job(job_id: str, **fields: object) -> NewJob:
+    return NewJob(f"ev-{job_id}", job_id, submission(**fields))
+
+
+def placed(job_id: str, attempt: int = 1) -> LifecycleEvent:
+    p = PlacementDecided(
+        job_id=job_id, attempt=attempt, epoch=1, leader="s", cluster="c1",
+        accelerator_type="H100", spec=spec(),
+        replicas=[ReplicaAssignment(replica=0, node_id="n1", accelerators=1, cpu=1,
+                                    memory_gb=1)])
+    return LifecycleEvent(event("PlacementDecided", p, T0 + timedelta(seconds=1)), p)
+
+
+def lifecycle(event_type: str, payload: object) -> LifecycleEvent:
+    return LifecycleEvent(event(event_type, payload, T0 + timedelta(seconds=2)), payload)
+
+
+def record(job_id: str, state: JobState, attempt: int = 0) -> JobRecord:
+    return JobRecord(job_id, "vision", state, T0, T0, attempt=attempt, cluster="c1")
+
+
+def topics_of(plan: object) -> list[str]:
+    return [m.topic for m in plan.emits]  # type: ignore[attr-defined]
+
+
+def test_a_good_job_is_queued_and_announced() -> None:
+    plan = plan_batch([new_job("j1")], {}, {}, policy())
+    assert [r.state for r, _ in plan.inserts] == [JobState.QUEUED]
+    assert topics_of(plan) == [topics.JOB_QUEUED]
+    assert [h.state for h in plan.history] == [JobState.SUBMITTED, JobState.QUEUED]
+
+
+def test_a_bad_job_is_stored_rejected_with_its_reason() -> None:
+    plan = plan_batch([new_job("j1", queue="nope")], {}, {}, policy())
+    assert [r.state for r, _ in plan.inserts] == [JobState.REJECTED]
+    assert topics_of(plan) == [topics.JOB_REJECTED]
+    assert plan.rejections[0][3] == "unknown_queue"
+
+
+def test_redelivered_job_changes_nothing() -> None:
+    records = {"j1": record("j1", JobState.QUEUED)}
+    plan = plan_batch([new_job("j1")], records, {}, policy())
+    assert plan.inserts == [] and plan.emits == [] and plan.duplicates == 1
+
+
+def test_same_idempotency_key_twice_in_one_batch() -> None:
+    items = [new_job("j1", idempotency_key="k"), new_job("j2", idempotency_key="k")]
+    plan = plan_batch(items, {}, {}, policy())
+    assert [r.job_id for r, _ in plan.inserts] == ["j1"]
+    assert plan.rejections[0][3] == "duplicate_submission"
+    assert "j1" in plan.rejections[0][4]
+
+
+def test_job_id_of_another_tenant_is_refused() -> None:
+    records = {"j1": record("j1", JobState.QUEUED)}
+    plan = plan_batch([new_job("j1", tenant="nlp")], records, {}, policy())
+    assert plan.rejections[0][3] == "duplicate_job_id"
+
+
+def test_lifecycle_moves_forward_only() -> None:
+    records = {"j1": record("j1", JobState.QUEUED)}
+    started = lifecycle("JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c1",
+                                                 nodes=["n1"], started_at=T0))
+    plan = plan_batch([started, placed("j1")], records, {}, policy())
+    # started arrived before placed: the late placement must not pull the job back
+    assert plan.updates["j1"].state is JobState.RUNNING
+
+
+def test_refusal_requeues_the_same_attempt_only() -> None:
+    records = {"j1": record("j1", JobState.PLACED, attempt=2)}
+    stale = lifecycle("PlacementRefused", PlacementRefused(
+        job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="x", message="m"))
+    current = lifecycle("PlacementRefused", PlacementRefused(
+        job_id="j1", attempt=2, epoch=1, cluster="c1", reason_code="x", message="m"))
+    assert plan_batch([stale], dict(records), {}, policy()).updates == {}
+    plan = plan_batch([current], dict(records), {}, policy())
+    assert plan.updates["j1"].state is JobState.QUEUED
+
+
+def test_cancel_of_a_queued_job_finishes_it_and_stops_inflight_placements() -> None:
+    records = {"j1": record("j1", JobState.QUEUED)}
+    cancel = lifecycle("JobCancelRequested", JobCancelRequested(job_id="j1", requested_by="u"))
+    plan = plan_batch([cancel], records, {}, policy())
+    assert plan.updates["j1"].state is JobState.CANCELED
+    assert topics_of(plan) == [topics.JOB_FINISHED, topics.JOB_STOP_ORDERED]
+
+
+def test_cancel_of_a_running_job_orders_a_stop_and_waits() -> None:
+    records = {"j1": record("j1", JobState.RUNNING, attempt=1)}
+    cancel = lifecycle("JobCancelRequested", JobCancelRequested(job_id="j1", requested_by="u"))
+    plan = plan_batch([cancel], records, {}, policy())
+    assert plan.updates["j1"].state is JobState.RUNNING
+    assert plan.updates["j1"].cancel_requested
+    assert topics_of(plan) == [topics.JOB_STOP_ORDERED]
+
+
+def test_placement_after_cancel_is_stopped() -> None:
+    records = {"j1": record("j1", JobState.CANCELED)}
+    plan = plan_batch([placed("j1")], records, {}, policy())
+    assert topics_of(plan) == [topics.JOB_STOP_ORDERED]
+
+
+def test_cancel_of_a_finished_job_is_noted_and_ignored() -> None:
+    records = {"j1": record("j1", JobState.SUCCEEDED)}
+    cancel = lifecycle("JobCancelRequested", JobCancelRequested(job_id="j1", requested_by="u"))
+    plan = plan_batch([cancel], records, {}, policy())
+    assert plan.updates == {} and plan.emits == []
+    assert plan.history[0].reason_code == "cancel_ignored"
+
+
+def test_submit_and_finish_in_one_batch_rewrite_the_insert() -> None:
+    finished = lifecycle("JobFinished", JobFinished(job_id="j1", attempt=None,
+                                                    outcome=Outcome.CANCELED))
+    plan = plan_batch([new_job("j1"), finished], {}, {}, policy())
+    assert [r.state for r, _ in plan.inserts] == [JobState.CANCELED]
+    assert plan.updates == {}
+
+
+def test_events_for_unknown_jobs_are_counted() -> None:
+    plan = plan_batch([placed("nobody")], {}, {}, policy())
+    assert plan.unknown_job_events == 1

@@ -1,0 +1,90 @@
+"""The scheduler's event-built state: replays are idempotent and capacity comes back."""
+
+from __future__ import annotations
+
+from schemas.events import (
+    ClusterCapacity,
+    JobFinished,
+    JobQueued,
+    NodeInfo,
+    Outcome,
+    PlacementDecided,
+    PlacementRefused,
+    ReplicaAssignment,
+)
+from services.scheduler.state import SchedulerState
+from tests.unit.services.builders import T0, spec
+
+
+def capacity(nodes: int = 2) -> ClusterCapacity:
+    return ClusterCapacity(
+        cluster="c1", location="here", kind="on_prem", prices={"H100": {"reserved": 2.0}},
+        nodes=[NodeInfo(node_id=f"n{i}", block="b", rack="r", nvlink_domain=f"d{i}",
+                        accelerator_type="H100", generation="hopper",
+                        accelerator_memory_gb=80, relative_speed=3, accelerators=8, cpu=64,
+                        memory_gb=512, price_tier="reserved") for i in range(nodes)])
+
+
+def queued(job_id: str) -> JobQueued:
+    return JobQueued(job_id=job_id, spec=spec(job_id=job_id), submitted_at=T0)
+
+
+def placed(job_id: str, attempt: int = 1) -> PlacementDecided:
+    return PlacementDecided(
+        job_id=job_id, attempt=attempt, epoch=1, leader="x", cluster="c1",
+        accelerator_type="H100", spec=spec(job_id=job_id),
+        replicas=[ReplicaAssignment(replica=0, node_id="n0", accelerators=1, cpu=1,
+                                    memory_gb=1)])
+
+
+def test_capacity_builds_the_fleet_and_replaces_it() -> None:
+    state = SchedulerState()
+    state.on_capacity(capacity(3))
+    state.on_capacity(capacity(2))
+    assert sorted(state.nodes) == ["n0", "n1"]
+    assert state.clusters["c1"].prices[("H100", "reserved")] == 2.0  # type: ignore[index]
+
+
+def test_placement_moves_pending_to_running_once() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1"), 1.0)
+    state.on_placed(placed("j1"), 2.0)  # our own decision, seen again on the feed
+    assert list(state.running) == ["j1"] and state.pending == {}
+    assert state.running["j1"].start_time == 1.0  # type: ignore[index]
+    assert state.next_attempt("j1") == 2  # type: ignore[arg-type]
+
+
+def test_refusal_returns_the_job_to_pending_and_frees_capacity() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1"), 1.0)
+    state.dirty = False
+    state.on_refused(PlacementRefused(job_id="j1", attempt=1, epoch=1, cluster="c1",
+                                      reason_code="would_overcommit", message="full"))
+    assert list(state.pending) == ["j1"] and state.running == {} and state.dirty
+
+
+def test_stale_refusal_is_ignored() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", attempt=2), 1.0)
+    state.on_refused(PlacementRefused(job_id="j1", attempt=1, epoch=1, cluster="c1",
+                                      reason_code="x", message="y"))
+    assert list(state.running) == ["j1"]
+
+
+def test_finished_job_is_never_resurrected_by_a_late_queued_event() -> None:
+    state = SchedulerState()
+    state.on_finished(JobFinished(job_id="j1", outcome=Outcome.CANCELED))
+    state.on_queued(queued("j1"))
+    assert state.pending == {}
+
+
+def test_finishing_a_running_job_frees_it() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1"), 1.0)
+    state.dirty = False
+    state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
+    assert state.running == {} and state.dirty
