@@ -14,6 +14,7 @@ Each owning schema has:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Sequence
 
 import asyncpg
@@ -76,7 +77,13 @@ class OutboxRelay:
         self._schema = schema
         self._batch = batch
         self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
         self.published = 0
+
+    def kick(self) -> None:
+        """Ask the relay loop to flush now. Handlers call this after their transaction commits
+        instead of awaiting the broker themselves, so the next batch is not held up by it."""
+        self._wake.set()
 
     async def flush(self) -> int:
         """Publish until the outbox is empty; returns how many messages went out."""
@@ -117,10 +124,14 @@ class OutboxRelay:
             return len(rows)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
-        """Background safety net: publishes rows left by a crash or a failed flush."""
+        """Flush whenever kicked, and every `interval_s` anyway (rows left by a crash or a
+        failed flush)."""
         while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval_s)
+            self._wake.clear()
             try:
                 await self.flush()
             except Exception:
                 log.warning("outbox flush failed; will retry", exc_info=True)
-            await asyncio.sleep(interval_s)
+                await asyncio.sleep(0.2)

@@ -118,7 +118,7 @@ class Executor:
             # Memory may be ahead of the store now: rebuild it from the store, then redeliver.
             await self._reload()
             raise
-        await self.relay.flush()
+        self.relay.kick()
 
     async def _commit(self, items: list[tuple[Envelope, Any]], dead: list[OutMessage]) -> None:
         async with self.store.pool.acquire() as conn, conn.transaction():
@@ -270,7 +270,7 @@ class Executor:
             self.running.pop(job.job_id, None)
             self.book.release(job.job_id)
             self.metrics.finished.labels(job.outcome).inc()
-        await self.relay.flush()
+        self.relay.kick()
         return len(due)
 
     async def _reload(self) -> None:

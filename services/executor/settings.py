@@ -11,3 +11,5 @@ class ExecutorSettings(ServiceSettings):
     heartbeat_interval_s: float = 5.0
     capacity_interval_s: float = 30.0
     tick_interval_s: float = 0.05
+    # Placements wait in the broker at most this long; three executors poll, so not too often.
+    fetch_max_wait_ms: int = 25

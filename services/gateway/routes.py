@@ -83,8 +83,15 @@ async def submit_job(
             422, detail={"reason_code": rejection.reason.value, "message": rejection.message}
         )
     env = envelope_for("JobSubmitted", spec, producer="gateway", tenant=tenant)
-    line = EventLine(env.event_id, job_id, env.occurred_at, env.type, JobState.SUBMITTED, None,
-                     f"submitted by {spec.user} to queue {spec.queue}")
+    line = EventLine(
+        env.event_id,
+        job_id,
+        env.occurred_at,
+        env.type,
+        JobState.SUBMITTED,
+        None,
+        f"submitted by {spec.user} to queue {spec.queue}",
+    )
     view = submitted_view(spec, job_id, env.occurred_at)
     existing = await store.insert_submitted(gw.pool, view, line)
     if existing is not None:

@@ -66,7 +66,7 @@ class QueueProcessor:
                 await store.add_history(conn, plan.history)
                 await store.add_rejections(conn, plan.rejections)
                 await add_to_outbox(conn, store.SCHEMA, [*dead, *plan.emits])
-            await self.relay.flush()
+            self.relay.kick()
         self._count(plan, len(dead), len(unique) - len(todo))
         return plan
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
+from typing import Any
 
 import structlog
 from fastapi import FastAPI
@@ -32,12 +34,14 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
     metrics = SchedulerMetrics(runtime.registry)
     state = SchedulerState()
     holder = f"{socket.gethostname()}:{os.getpid()}"
-    feed = Feed(
-        settings.kafka_bootstrap,
-        FEED_TOPICS,
-        settings.fetch_max_wait_ms,
-        lambda records: apply_records(state, records, metrics),
-    )
+    wake = asyncio.Event()
+
+    def on_records(records: list[Any]) -> None:
+        apply_records(state, records, metrics)
+        if state.dirty:
+            wake.set()
+
+    feed = Feed(settings.kafka_bootstrap, FEED_TOPICS, settings.fetch_max_wait_ms, on_records)
     cycle = Cycle(state, policy, broker, metrics, holder, settings.seed)
     redis = Redis.from_url(settings.redis_url)
     lease = RedisLease(redis, settings.lease_name, holder, settings.lease_ttl_ms)
@@ -68,7 +72,10 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
                 assert lease.epoch is not None
                 await cycle.run_once(lease.epoch)
                 last_cycle = now
-            await asyncio.sleep(settings.cycle_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), settings.cycle_interval_s)
+            wake.clear()
+            await asyncio.sleep(settings.min_cycle_gap_s)
 
     @runtime.on_startup
     async def start() -> None:

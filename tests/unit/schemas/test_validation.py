@@ -36,15 +36,24 @@ def test_envelope_keeps_its_event_id() -> None:
         (b"{not json", RejectReason.MALFORMED, "not valid JSON", None),
         (b"[1, 2]", RejectReason.MALFORMED, "JSON object", None),
         (raw({"type": "JobSubmitted", "payload": 3}), RejectReason.MALFORMED, "payload", None),
-        (raw({"tenant": "vision", "replicas": "four", "job_id": "j1"}),
-         RejectReason.INVALID_SPEC, "replicas", "j1"),
+        (
+            raw({"tenant": "vision", "replicas": "four", "job_id": "j1"}),
+            RejectReason.INVALID_SPEC,
+            "replicas",
+            "j1",
+        ),
         (raw({"replicas": 1}), RejectReason.INVALID_SPEC, "tenant", None),
-        (raw({"tenant": "vision", "resources": {"accelerators": 2.5}}),
-         RejectReason.INVALID_SPEC, "whole number", None),
+        (
+            raw({"tenant": "vision", "resources": {"accelerators": 2.5}}),
+            RejectReason.INVALID_SPEC,
+            "whole number",
+            None,
+        ),
     ],
 )
-def test_bad_messages_say_why(body: bytes, reason: RejectReason, fragment: str,
-                              job_id: str | None) -> None:
+def test_bad_messages_say_why(
+    body: bytes, reason: RejectReason, fragment: str, job_id: str | None
+) -> None:
     got = parse_submission(body)
     assert isinstance(got, Unparseable)
     assert got.reason is reason
@@ -63,8 +72,9 @@ def test_bad_messages_say_why(body: bytes, reason: RejectReason, fragment: str,
         ({"resources": {"accelerator_memory_gb": -8}}, "accelerator_memory_gb"),
     ],
 )
-def test_non_positive_sizes_are_invalid_resources(changes: dict[str, object],
-                                                  fragment: str) -> None:
+def test_non_positive_sizes_are_invalid_resources(
+    changes: dict[str, object], fragment: str
+) -> None:
     spec = JobSpec.model_validate({"tenant": "vision", **changes})
     problems = spec_problems(spec)
     assert problems and problems[0][0] is RejectReason.INVALID_RESOURCES

@@ -35,8 +35,9 @@ def spec(**fields: Any) -> JobSpec:
 
 def submission(**fields: Any) -> Submission:
     s = spec(**fields)
-    env = Envelope(type="JobSubmitted", tenant=s.tenant, occurred_at=T0,
-                   payload=s.model_dump(mode="json"))
+    env = Envelope(
+        type="JobSubmitted", tenant=s.tenant, occurred_at=T0, payload=s.model_dump(mode="json")
+    )
     return Submission(env, s)
 
 

@@ -19,10 +19,12 @@ def nodes(count: int, gpus: int = 8) -> dict[str, Node]:
     }
 
 
-def rep(node: str, gpus: float, replica: int = 0, cpu: float = 1, mem: float = 1
-        ) -> ReplicaAssignment:
-    return ReplicaAssignment(replica=replica, node_id=node, accelerators=gpus, cpu=cpu,
-                             memory_gb=mem)
+def rep(
+    node: str, gpus: float, replica: int = 0, cpu: float = 1, mem: float = 1
+) -> ReplicaAssignment:
+    return ReplicaAssignment(
+        replica=replica, node_id=node, accelerators=gpus, cpu=cpu, memory_gb=mem
+    )
 
 
 def test_a_gang_that_fits_is_allocated_and_released() -> None:
@@ -67,8 +69,13 @@ def test_unknown_nodes_are_refused() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.25, 0.5, 1, 2, 4, 8])),
-                min_size=1, max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from([0.25, 0.5, 1, 2, 4, 8])),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_whatever_is_asked_the_books_never_overcommit(asks: list[tuple[int, float]]) -> None:
     book = NodeBook(nodes(3))
     for i, (node, gpus) in enumerate(asks):
@@ -78,5 +85,4 @@ def test_whatever_is_asked_the_books_never_overcommit(asks: list[tuple[int, floa
         assert book.audit() == []
         if i % 3 == 2:
             book.release(f"j{i - 1}")
-    assert all(u.allocated_accelerators <= u.node.accelerators + 1e-9
-               for u in book.use.values())
+    assert all(u.allocated_accelerators <= u.node.accelerators + 1e-9 for u in book.use.values())

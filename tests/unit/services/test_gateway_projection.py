@@ -26,12 +26,22 @@ def lifecycle() -> list[tuple[str, object]]:
     s = spec(job_id="j1")
     return [
         ("JobQueued", JobQueued(job_id="j1", spec=s, submitted_at=T0)),
-        ("PlacementDecided", PlacementDecided(
-            job_id="j1", attempt=1, epoch=1, leader="x", cluster="c", accelerator_type="H100",
-            spec=s, replicas=[ReplicaAssignment(replica=0, node_id="n", accelerators=1, cpu=1,
-                                                memory_gb=1)])),
-        ("JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c", nodes=["n"],
-                                  started_at=T0)),
+        (
+            "PlacementDecided",
+            PlacementDecided(
+                job_id="j1",
+                attempt=1,
+                epoch=1,
+                leader="x",
+                cluster="c",
+                accelerator_type="H100",
+                spec=s,
+                replicas=[
+                    ReplicaAssignment(replica=0, node_id="n", accelerators=1, cpu=1, memory_gb=1)
+                ],
+            ),
+        ),
+        ("JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c", nodes=["n"], started_at=T0)),
         ("JobFinished", JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED)),
     ]
 

@@ -27,10 +27,15 @@ def new_job(job_id: str, **fields: object) -> NewJob:
 
 def placed(job_id: str, attempt: int = 1) -> LifecycleEvent:
     p = PlacementDecided(
-        job_id=job_id, attempt=attempt, epoch=1, leader="s", cluster="c1",
-        accelerator_type="H100", spec=spec(),
-        replicas=[ReplicaAssignment(replica=0, node_id="n1", accelerators=1, cpu=1,
-                                    memory_gb=1)])
+        job_id=job_id,
+        attempt=attempt,
+        epoch=1,
+        leader="s",
+        cluster="c1",
+        accelerator_type="H100",
+        spec=spec(),
+        replicas=[ReplicaAssignment(replica=0, node_id="n1", accelerators=1, cpu=1, memory_gb=1)],
+    )
     return LifecycleEvent(event("PlacementDecided", p, T0 + timedelta(seconds=1)), p)
 
 
@@ -82,8 +87,9 @@ def test_job_id_of_another_tenant_is_refused() -> None:
 
 def test_lifecycle_moves_forward_only() -> None:
     records = {"j1": record("j1", JobState.QUEUED)}
-    started = lifecycle("JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c1",
-                                                 nodes=["n1"], started_at=T0))
+    started = lifecycle(
+        "JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c1", nodes=["n1"], started_at=T0)
+    )
     plan = plan_batch([started, placed("j1")], records, {}, policy())
     # started arrived before placed: the late placement must not pull the job back
     assert plan.updates["j1"].state is JobState.RUNNING
@@ -91,10 +97,18 @@ def test_lifecycle_moves_forward_only() -> None:
 
 def test_refusal_requeues_the_same_attempt_only() -> None:
     records = {"j1": record("j1", JobState.PLACED, attempt=2)}
-    stale = lifecycle("PlacementRefused", PlacementRefused(
-        job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="x", message="m"))
-    current = lifecycle("PlacementRefused", PlacementRefused(
-        job_id="j1", attempt=2, epoch=1, cluster="c1", reason_code="x", message="m"))
+    stale = lifecycle(
+        "PlacementRefused",
+        PlacementRefused(
+            job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="x", message="m"
+        ),
+    )
+    current = lifecycle(
+        "PlacementRefused",
+        PlacementRefused(
+            job_id="j1", attempt=2, epoch=1, cluster="c1", reason_code="x", message="m"
+        ),
+    )
     assert plan_batch([stale], dict(records), {}, policy()).updates == {}
     plan = plan_batch([current], dict(records), {}, policy())
     assert plan.updates["j1"].state is JobState.QUEUED
@@ -132,8 +146,9 @@ def test_cancel_of_a_finished_job_is_noted_and_ignored() -> None:
 
 
 def test_submit_and_finish_in_one_batch_rewrite_the_insert() -> None:
-    finished = lifecycle("JobFinished", JobFinished(job_id="j1", attempt=None,
-                                                    outcome=Outcome.CANCELED))
+    finished = lifecycle(
+        "JobFinished", JobFinished(job_id="j1", attempt=None, outcome=Outcome.CANCELED)
+    )
     plan = plan_batch([new_job("j1"), finished], {}, {}, policy())
     assert [r.state for r, _ in plan.inserts] == [JobState.CANCELED]
     assert plan.updates == {}

