@@ -33,6 +33,7 @@ class OutMessage:
     topic: str
     key: str
     envelope: Envelope
+    headers: tuple[tuple[str, str], ...] = ()
 
     def encode(self) -> bytes:
         return self.envelope.model_dump_json(exclude_none=True).encode()
@@ -58,12 +59,19 @@ def make_broker(
     )
 
 
+async def _leave_undecoded(_message: Any) -> None:
+    """Handlers read the raw records themselves (they must see poison bytes to dead-letter
+    them), so FastStream's per-record JSON decoding would be wasted work."""
+    return None
+
+
 def batch_subscriber(
     broker: KafkaBroker,
     *topics: str,
     group_id: str,
     settings: ServiceSettings,
     max_records: int | None = None,
+    fetch_max_wait_ms: int | None = None,
 ) -> Callable[..., Any]:
     """A batch subscriber in a consumer group, tuned for Tansu and at-least-once delivery."""
     return broker.subscriber(
@@ -73,10 +81,11 @@ def batch_subscriber(
         auto_offset_reset="earliest",
         session_timeout_ms=2000,
         heartbeat_interval_ms=500,
-        fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        fetch_max_wait_ms=fetch_max_wait_ms or settings.fetch_max_wait_ms,
         max_records=max_records or settings.max_batch_records,
-        batch_timeout_ms=settings.fetch_max_wait_ms,
+        batch_timeout_ms=fetch_max_wait_ms or settings.fetch_max_wait_ms,
         ack_policy=AckPolicy.NACK_ON_ERROR,
+        decoder=_leave_undecoded,
     )
 
 
@@ -93,7 +102,7 @@ async def publish_all(broker: KafkaBroker, messages: Iterable[OutMessage]) -> in
             msg.encode(),
             msg.topic,
             key=msg.key.encode(),
-            headers={"type": msg.envelope.type},
+            headers={"type": msg.envelope.type, **dict(msg.headers)},
             no_confirm=True,
         )
         pending.append(fut)  # type: ignore[arg-type]

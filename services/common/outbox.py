@@ -14,7 +14,6 @@ Each owning schema has:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterable, Sequence
 
 import asyncpg
@@ -79,16 +78,24 @@ class OutboxRelay:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self.published = 0
+        # Published rows are deleted, but their index entries linger until vacuum: starting
+        # each kicked scan after the last id we sent keeps a busy outbox from rescanning them.
+        # Ids are drawn before commit, so a slower transaction can commit a lower id later;
+        # the periodic full scan (from 0) publishes those.
+        self._after_id = 0
 
     def kick(self) -> None:
         """Ask the relay loop to flush now. Handlers call this after their transaction commits
         instead of awaiting the broker themselves, so the next batch is not held up by it."""
         self._wake.set()
 
-    async def flush(self) -> int:
-        """Publish until the outbox is empty; returns how many messages went out."""
+    async def flush(self, *, full: bool = True) -> int:
+        """Publish until the outbox is empty; returns how many messages went out. `full`
+        scans from the first row, otherwise from after the last one published."""
         total = 0
         async with self._lock:
+            if full:
+                self._after_id = 0
             while True:
                 sent = await self._flush_once()
                 total += sent
@@ -102,9 +109,10 @@ class OutboxRelay:
             # SKIP LOCKED lets several replicas of a service relay without sending a row twice.
             rows = await conn.fetch(
                 f'DELETE FROM "{self._schema}".outbox WHERE id IN ('
-                f'SELECT id FROM "{self._schema}".outbox ORDER BY id LIMIT $1 '
+                f'SELECT id FROM "{self._schema}".outbox WHERE id > $2 ORDER BY id LIMIT $1 '
                 "FOR UPDATE SKIP LOCKED) RETURNING id, topic, key, event_type, value",
                 self._batch,
+                self._after_id,
             )
             if not rows:
                 return 0
@@ -121,17 +129,21 @@ class OutboxRelay:
                 futures.append(fut)
             # The delete commits only once the broker has every message.
             await asyncio.gather(*futures)  # type: ignore[arg-type]
-            return len(rows)
+        self._after_id = rows[-1]["id"]
+        return len(rows)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
         """Flush whenever kicked, and every `interval_s` anyway (rows left by a crash or a
         failed flush)."""
         while True:
-            with contextlib.suppress(TimeoutError):
+            kicked = True
+            try:
                 await asyncio.wait_for(self._wake.wait(), interval_s)
+            except TimeoutError:
+                kicked = False
             self._wake.clear()
             try:
-                await self.flush()
+                await self.flush(full=not kicked)
             except Exception:
                 log.warning("outbox flush failed; will retry", exc_info=True)
                 await asyncio.sleep(0.2)

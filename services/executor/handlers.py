@@ -68,6 +68,7 @@ class Executor:
     ) -> None:
         self.cluster = cluster
         self.producer = f"executor/{cluster}"
+        self._cluster_header = cluster.encode()
         self.book = book
         self.store = store
         self.relay = relay
@@ -97,7 +98,16 @@ class Executor:
         env = envelope_for(event_type, payload, producer=self.producer, tenant=tenant, cause=cause)
         return OutMessage(topic, payload.job_id, env)
 
+    def _for_another_cluster(self, record: ConsumerRecord[Any, Any]) -> bool:
+        if record.topic != topics.PLACEMENT_DECIDED:
+            return False
+        for name, value in record.headers or ():
+            if name == "cluster":
+                return value != self._cluster_header
+        return False  # no header (another producer): parse it and look
+
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
+        records = tuple(r for r in records if not self._for_another_cluster(r))
         received, dead = decode_envelopes(records, consumer=self.producer)
         mine: list[tuple[Envelope, PlacementDecided | JobStopOrdered]] = []
         for got in received:

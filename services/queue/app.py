@@ -12,7 +12,7 @@ from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
 from services.queue import store
 from services.queue.handlers import QueueMetrics, QueueProcessor
-from services.queue.intake import SUBSCRIBED
+from services.queue.intake import LIFECYCLE_TOPICS, REQUEST_TOPICS
 from services.queue.settings import QueueSettings
 
 NAME = "queue"
@@ -26,8 +26,19 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
     metrics = QueueMetrics(runtime.registry)
     state: dict[str, QueueProcessor] = {}
 
-    @batch_subscriber(broker, *SUBSCRIBED, group_id=settings.group_id, settings=settings)
-    async def on_batch(message: KafkaMessage) -> None:
+    @batch_subscriber(broker, *REQUEST_TOPICS, group_id=settings.group_id, settings=settings)
+    async def on_requests(message: KafkaMessage) -> None:
+        await state["processor"].process(records_of(message))
+
+    # Lifecycle events are not on any job's way to a placement: fetch them less eagerly.
+    @batch_subscriber(
+        broker,
+        *LIFECYCLE_TOPICS,
+        group_id=f"{settings.group_id}-lifecycle",
+        settings=settings,
+        fetch_max_wait_ms=settings.lifecycle_fetch_max_wait_ms,
+    )
+    async def on_lifecycle(message: KafkaMessage) -> None:
         await state["processor"].process(records_of(message))
 
     @runtime.on_startup

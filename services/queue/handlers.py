@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import asyncpg
@@ -25,6 +26,11 @@ class QueueMetrics:
         self.duplicates = Counter(
             "qm_queue_duplicates_total", "Redelivered records skipped", registry=registry
         )
+        self.wait = Histogram(
+            "qm_queue_record_wait_seconds",
+            "Age of a batch's oldest record when the handler starts on it",
+            registry=registry,
+        )
         self.batch = Histogram(
             "qm_queue_batch_seconds", "Time to process one batch", registry=registry
         )
@@ -40,6 +46,8 @@ class QueueProcessor:
         self.metrics = metrics
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Plan:
+        oldest = min(r.timestamp for r in records) / 1000 if records else time.time()
+        self.metrics.wait.observe(max(0.0, time.time() - oldest))
         with self.metrics.batch.time():
             items, dead = read_batch(records)
             seen: set[str] = set()
@@ -60,11 +68,14 @@ class QueueProcessor:
                     if isinstance(i, NewJob) and i.submission.spec.idempotency_key
                 }
                 idem = await store.find_by_idempotency(conn, keys)  # type: ignore[arg-type]
-                plan = plan_batch(todo, records_by_id, idem, self.policy)
+                new_ids = [i.job_id for i in todo if isinstance(i, NewJob)]
+                early = await store.take_early_cancels(conn, new_ids)
+                plan = plan_batch(todo, records_by_id, idem, self.policy, early)
                 await store.insert_jobs(conn, plan.inserts)
                 await store.update_jobs(conn, list(plan.updates.values()))
                 await store.add_history(conn, plan.history)
                 await store.add_rejections(conn, plan.rejections)
+                await store.add_early_cancels(conn, plan.early_cancels)
                 await add_to_outbox(conn, store.SCHEMA, [*dead, *plan.emits])
             self.relay.kick()
         self._count(plan, len(dead), len(unique) - len(todo))

@@ -36,7 +36,10 @@ LIFECYCLE_PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
 }
-SUBSCRIBED = (topics.JOB_SUBMITTED, *LIFECYCLE_PAYLOADS)
+# Two consumers: requests (submissions and cancels, on every job's critical path) are never
+# held up behind the larger stream of lifecycle events that follow placements.
+REQUEST_TOPICS = (topics.JOB_SUBMITTED, topics.JOB_CANCEL_REQUESTED)
+LIFECYCLE_TOPICS = tuple(t for t in LIFECYCLE_PAYLOADS if t != topics.JOB_CANCEL_REQUESTED)
 
 _ID_NAMESPACE = uuid.UUID("6f1c2b0e-8d0a-4c4e-9d1e-5b7a0f6c2a11")
 

@@ -35,6 +35,7 @@ class Plan:
     history: list[HistoryEntry] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     emits: list[OutMessage] = field(default_factory=list)
+    early_cancels: list[tuple[str, str]] = field(default_factory=list)
     unknown_job_events: int = 0
     duplicates: int = 0
 
@@ -56,12 +57,17 @@ def plan_batch(
     records: dict[str, JobRecord],
     idempotency: dict[tuple[str, str], str],
     policy: Policy,
+    early_cancels: dict[str, str] | None = None,
 ) -> Plan:
+    """`early_cancels`: job id -> who asked, for cancels that arrived before their job."""
     plan = Plan()
     inserted: set[str] = set()
+    early = dict(early_cancels or {})
     for item in items:
         if isinstance(item, NewJob):
             _plan_new(plan, item, records, idempotency, policy, inserted)
+            if item.job_id in early and item.job_id in inserted:
+                _cancel_on_arrival(plan, item, records, early.pop(item.job_id), inserted)
         elif isinstance(item, BadJob):
             _plan_bad(plan, item)
         else:
@@ -206,9 +212,35 @@ def _plan_lifecycle(
     job_id = str(item.payload.job_id)
     record = records.get(job_id)
     if record is None:
-        plan.unknown_job_events += 1
+        if isinstance(item.payload, JobCancelRequested):
+            plan.early_cancels.append((job_id, item.payload.requested_by))
+        else:
+            plan.unknown_job_events += 1
         return
-    step = _transition(record, item)
+    _apply_step(plan, job_id, _transition(record, item), records, inserted)
+
+
+def _cancel_on_arrival(
+    plan: Plan, item: NewJob, records: dict[str, JobRecord], who: str, inserted: set[str]
+) -> None:
+    cancel = JobCancelRequested(
+        job_id=item.job_id, requested_by=who, reason="cancel arrived before the job"
+    )
+    env = envelope_for(
+        "JobCancelRequested",
+        cancel,
+        producer=PRODUCER,
+        tenant=records[item.job_id].tenant,
+        cause=item.submission.envelope,
+    )
+    step = lifecycle.on_cancel(records[item.job_id], cancel, env)
+    _apply_step(plan, item.job_id, step, records, inserted)
+
+
+def _apply_step(
+    plan: Plan, job_id: str, step: Step, records: dict[str, JobRecord], inserted: set[str]
+) -> None:
+    record = records[job_id]
     records[job_id] = step.record
     if step.record is not record and job_id not in inserted:
         plan.updates[job_id] = step.record

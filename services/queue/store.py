@@ -168,3 +168,25 @@ async def job_history(conn: asyncpg.Connection, job_id: str) -> list[dict[str, o
 async def job_spec(conn: asyncpg.Connection, job_id: str) -> JobSpec | None:
     raw = await conn.fetchval("SELECT spec FROM queue.jobs WHERE job_id = $1", job_id)
     return None if raw is None else JobSpec.model_validate(json.loads(raw))
+
+
+async def take_early_cancels(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, str]:
+    """Cancels that arrived before these jobs did; they are consumed by this call."""
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    rows = await conn.fetch(
+        "DELETE FROM queue.early_cancels WHERE job_id = ANY($1::text[]) "
+        "RETURNING job_id, requested_by",
+        ids,
+    )
+    return {r["job_id"]: r["requested_by"] for r in rows}
+
+
+async def add_early_cancels(conn: asyncpg.Connection, cancels: Sequence[tuple[str, str]]) -> None:
+    if cancels:
+        await conn.executemany(
+            "INSERT INTO queue.early_cancels (job_id, requested_by) VALUES ($1, $2) "
+            "ON CONFLICT DO NOTHING",
+            cancels,
+        )

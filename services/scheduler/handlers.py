@@ -127,7 +127,15 @@ class Cycle:
                 env = envelope_for(
                     "PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant
                 )
-                out.append(OutMessage(topics.PLACEMENT_DECIDED, job_id, env))
+                # Executors skip other clusters' placements by this header, unparsed.
+                out.append(
+                    OutMessage(
+                        topics.PLACEMENT_DECIDED,
+                        job_id,
+                        env,
+                        headers=(("cluster", str(alloc.cluster)),),
+                    )
+                )
             self.explanations = dict(result.pending)
         if out:
             await publish_all(self.broker, out)

@@ -157,3 +157,12 @@ def test_submit_and_finish_in_one_batch_rewrite_the_insert() -> None:
 def test_events_for_unknown_jobs_are_counted() -> None:
     plan = plan_batch([placed("nobody")], {}, {}, policy())
     assert plan.unknown_job_events == 1
+
+
+def test_a_cancel_that_overtakes_its_job_is_kept_and_applied_on_arrival() -> None:
+    cancel = lifecycle("JobCancelRequested", JobCancelRequested(job_id="j1", requested_by="u"))
+    first = plan_batch([cancel], {}, {}, policy())
+    assert first.early_cancels == [("j1", "u")] and first.unknown_job_events == 0
+    plan = plan_batch([new_job("j1")], {}, {}, policy(), early_cancels={"j1": "u"})
+    assert [r.state for r, _ in plan.inserts] == [JobState.CANCELED]
+    assert topics_of(plan) == [topics.JOB_QUEUED, topics.JOB_FINISHED, topics.JOB_STOP_ORDERED]
