@@ -1,19 +1,15 @@
-"""FastStream Kafka plumbing with the settings Tansu needs (shared/INFRA.md).
-
-Every hot-path consumer is a batch subscriber that commits offsets only after its handler
-returned (NACK_ON_ERROR: a raised error rewinds the batch for redelivery). Handlers deal with
-poison messages themselves by dead-lettering them, so they raise only for retryable failures.
-"""
+"""FastStream Kafka plumbing with the settings Tansu needs (shared/INFRA.md): the broker
+factory, keyed publishing that waits for the broker, and envelope construction. Consumption
+is in services.common.consumer."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import ConsumerRecord
-from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.message import KafkaMessage
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
@@ -56,36 +52,6 @@ def make_broker(
         acks=1,
         middlewares=middlewares,
         logger=None,
-    )
-
-
-async def _leave_undecoded(_message: Any) -> None:
-    """Handlers read the raw records themselves (they must see poison bytes to dead-letter
-    them), so FastStream's per-record JSON decoding would be wasted work."""
-    return None
-
-
-def batch_subscriber(
-    broker: KafkaBroker,
-    *topics: str,
-    group_id: str,
-    settings: ServiceSettings,
-    max_records: int | None = None,
-    fetch_max_wait_ms: int | None = None,
-) -> Callable[..., Any]:
-    """A batch subscriber in a consumer group, tuned for Tansu and at-least-once delivery."""
-    return broker.subscriber(
-        *topics,
-        batch=True,
-        group_id=group_id,
-        auto_offset_reset="earliest",
-        session_timeout_ms=2000,
-        heartbeat_interval_ms=500,
-        fetch_max_wait_ms=fetch_max_wait_ms or settings.fetch_max_wait_ms,
-        max_records=max_records or settings.max_batch_records,
-        batch_timeout_ms=fetch_max_wait_ms or settings.fetch_max_wait_ms,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-        decoder=_leave_undecoded,
     )
 
 
@@ -136,7 +102,3 @@ def decode_key(record: ConsumerRecord[Any, Any]) -> str | None:
     if key is None:
         return None
     return key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
-
-
-def partition_ids(records: Sequence[ConsumerRecord[Any, Any]]) -> str:
-    return ",".join(sorted({f"{r.topic}/{r.partition}" for r in records}))

@@ -6,18 +6,16 @@ import asyncio
 import time
 
 from fastapi import FastAPI
-from faststream.kafka.annotations import KafkaMessage
 
 from core.fleet import load_fleet
 from schemas import topics
+from services.common.consumer import OffsetCommitter, Records, consume_batches
 from services.common.db import create_pool
 from services.common.kafka import (
     OutMessage,
-    batch_subscriber,
     envelope_for,
     make_broker,
     publish_all,
-    records_of,
 )
 from services.common.outbox import OutboxRelay
 from services.common.policyfile import load_policy, read_yaml
@@ -50,15 +48,20 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     metrics = ExecutorMetrics(runtime.registry)
     state: dict[str, Executor] = {}
 
-    @batch_subscriber(
+    committer = OffsetCommitter()
+
+    async def handle(records: Records) -> None:
+        await state["executor"].process(records)
+
+    consume_batches(
         broker,
         topics.PLACEMENT_DECIDED,
         topics.JOB_STOP_ORDERED,
         group_id=f"executor-{cluster_name}",
         settings=settings,
+        handle=handle,
+        committer=committer,
     )
-    async def on_batch(message: KafkaMessage) -> None:
-        await state["executor"].process(records_of(message))
 
     async def finish_loop() -> None:
         while True:
@@ -112,11 +115,13 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         await executor.restore()
         state["executor"] = executor
         runtime.background(relay.run_forever)
+        runtime.background(committer.run_forever)
         runtime.background(finish_loop)
         runtime.background(announce_loop)
         await broker.start()
 
         async def close() -> None:
+            await committer.flush()
             await broker.stop()
             await pool.close()
 

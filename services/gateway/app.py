@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
-from faststream.kafka.annotations import KafkaMessage
 from redis.asyncio import Redis
 
+from services.common.consumer import OffsetCommitter, Records, consume_batches
 from services.common.db import create_pool
-from services.common.kafka import batch_subscriber, make_broker, records_of
+from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
 from services.gateway import routes, store
@@ -33,9 +33,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router)
     holder: dict[str, Projector] = {}
 
-    @batch_subscriber(broker, *PROJECTED, group_id=settings.group_id, settings=settings)
-    async def on_batch(message: KafkaMessage) -> None:
-        await holder["projector"].process(records_of(message))
+    committer = OffsetCommitter()
+
+    async def handle(records: Records) -> None:
+        await holder["projector"].process(records)
+
+    consume_batches(
+        broker,
+        *PROJECTED,
+        group_id=settings.group_id,
+        settings=settings,
+        handle=handle,
+        committer=committer,
+    )
 
     @runtime.on_startup
     async def start() -> None:
@@ -44,9 +54,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         redis = Redis.from_url(settings.redis_url)
         holder["projector"] = Projector(pool, redis)
         app.state.gateway = Gateway(settings, pool, redis, broker, policy, tokens)
+        runtime.background(committer.run_forever)
         await broker.start()
 
         async def close() -> None:
+            await committer.flush()
             await broker.stop()
             await redis.aclose()
             await pool.close()

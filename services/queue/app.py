@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
-from faststream.kafka.annotations import KafkaMessage
 
+from services.common.consumer import OffsetCommitter, Records, consume_batches
 from services.common.db import create_pool
-from services.common.kafka import batch_subscriber, make_broker, records_of
+from services.common.kafka import make_broker
 from services.common.outbox import OutboxRelay
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
@@ -26,20 +26,29 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
     metrics = QueueMetrics(runtime.registry)
     state: dict[str, QueueProcessor] = {}
 
-    @batch_subscriber(broker, *REQUEST_TOPICS, group_id=settings.group_id, settings=settings)
-    async def on_requests(message: KafkaMessage) -> None:
-        await state["processor"].process(records_of(message))
+    committer = OffsetCommitter()
 
+    async def handle(records: Records) -> None:
+        await state["processor"].process(records)
+
+    consume_batches(
+        broker,
+        *REQUEST_TOPICS,
+        group_id=settings.group_id,
+        settings=settings,
+        handle=handle,
+        committer=committer,
+    )
     # Lifecycle events are not on any job's way to a placement: fetch them less eagerly.
-    @batch_subscriber(
+    consume_batches(
         broker,
         *LIFECYCLE_TOPICS,
         group_id=f"{settings.group_id}-lifecycle",
         settings=settings,
+        handle=handle,
+        committer=committer,
         fetch_max_wait_ms=settings.lifecycle_fetch_max_wait_ms,
     )
-    async def on_lifecycle(message: KafkaMessage) -> None:
-        await state["processor"].process(records_of(message))
 
     @runtime.on_startup
     async def start() -> None:
@@ -50,9 +59,11 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
         await relay.flush()  # anything a crash left behind goes out before new work
         state["processor"] = QueueProcessor(pool, relay, policy, metrics)
         runtime.background(relay.run_forever)
+        runtime.background(committer.run_forever)
         await broker.start()
 
         async def close() -> None:
+            await committer.flush()
             await broker.stop()
             await pool.close()
 
