@@ -6,8 +6,8 @@ acknowledged. A crash anywhere leaves either nothing done (the batch is redelive
 outbox rows still there (published on the next flush). Consumers therefore see duplicates,
 never gaps, and dedupe by event id.
 
-Each owning schema has:
-  outbox(id bigserial primary key, topic text, key text, value bytea, event_type text)
+Each owning schema has (see a service's migrations):
+  outbox(id bigserial primary key, topic, key, event_type, value bytea, created_at)
   processed_events(event_id text primary key, processed_at timestamptz)
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import asyncpg
 import structlog
@@ -23,20 +24,6 @@ from faststream.kafka import KafkaBroker
 from services.common.kafka import OutMessage
 
 log = structlog.get_logger()
-
-OUTBOX_DDL = """
-CREATE TABLE IF NOT EXISTS outbox (
-    id bigserial PRIMARY KEY,
-    topic text NOT NULL,
-    key text NOT NULL,
-    event_type text NOT NULL,
-    value bytea NOT NULL
-);
-CREATE TABLE IF NOT EXISTS processed_events (
-    event_id text PRIMARY KEY,
-    processed_at timestamptz NOT NULL DEFAULT now()
-);
-"""
 
 
 async def claim_events(conn: asyncpg.Connection, schema: str, event_ids: Sequence[str]) -> set[str]:
@@ -51,99 +38,153 @@ async def claim_events(conn: asyncpg.Connection, schema: str, event_ids: Sequenc
     return {r["event_id"] for r in rows}
 
 
+@dataclass(frozen=True)
+class Staged:
+    """Messages written to the outbox in an open transaction, with their row ids."""
+
+    messages: tuple[OutMessage, ...] = ()
+    ids: tuple[int, ...] = ()
+
+
 async def add_to_outbox(
     conn: asyncpg.Connection, schema: str, messages: Iterable[OutMessage]
-) -> int:
-    rows = [(m.topic, m.key, m.envelope.type, m.encode()) for m in messages]
-    if rows:
-        await conn.copy_records_to_table(
-            "outbox",
-            schema_name=schema,
-            records=rows,
-            columns=["topic", "key", "event_type", "value"],
-        )
-    return len(rows)
+) -> Staged:
+    msgs = tuple(messages)
+    if not msgs:
+        return Staged()
+    rows = await conn.fetch(
+        f'INSERT INTO "{schema}".outbox (topic, key, event_type, value) '
+        "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) RETURNING id",
+        [m.topic for m in msgs],
+        [m.key for m in msgs],
+        [m.envelope.type for m in msgs],
+        [m.encode() for m in msgs],
+    )
+    return Staged(msgs, tuple(sorted(r["id"] for r in rows)))
 
 
 class OutboxRelay:
-    """Publishes a schema's outbox in id order. One flush at a time per process."""
+    """Publishes a schema's outbox, in order, and deletes what the broker acknowledged.
+
+    The fast path: after its transaction commits, a handler hands the staged messages to
+    `committed()`; they go out from memory at once (no read back) and their rows are deleted
+    afterwards. The slow path scans the table for rows nobody is publishing: at start-up
+    (left by a crash), when kicked, and every `interval_s` for rows older than
+    `stale_after_s` (a failed publish or delete).
+    """
 
     def __init__(
-        self, pool: asyncpg.Pool, broker: KafkaBroker, schema: str, batch: int = 2000
+        self,
+        pool: asyncpg.Pool,
+        broker: KafkaBroker,
+        schema: str,
+        batch: int = 2000,
+        stale_after_s: float = 2.0,
     ) -> None:
         self._pool = pool
         self._broker = broker
         self._schema = schema
         self._batch = batch
+        self._stale_after_s = stale_after_s
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._scan_asked = False
+        self._queue: list[Staged] = []
+        self._inflight: set[int] = set()
         self.published = 0
-        # Published rows are deleted, but their index entries linger until vacuum: starting
-        # each kicked scan after the last id we sent keeps a busy outbox from rescanning them.
-        # Ids are drawn before commit, so a slower transaction can commit a lower id later;
-        # the periodic full scan (from 0) publishes those.
-        self._after_id = 0
+
+    def committed(self, staged: Staged) -> None:
+        """Publish these now; their transaction has committed."""
+        if staged.ids:
+            self._queue.append(staged)
+            self._inflight.update(staged.ids)
+            self._wake.set()
 
     def kick(self) -> None:
-        """Ask the relay loop to flush now. Handlers call this after their transaction commits
-        instead of awaiting the broker themselves, so the next batch is not held up by it."""
+        """Ask for a scan of the table now."""
+        self._scan_asked = True
         self._wake.set()
 
-    async def flush(self, *, full: bool = True) -> int:
-        """Publish until the outbox is empty; returns how many messages went out. `full`
-        scans from the first row, otherwise from after the last one published."""
+    async def _publish(self, messages: Sequence[tuple[str, str, str, bytes]]) -> None:
+        futures = []
+        for topic, key, event_type, value in messages:
+            fut = await self._broker.publish(
+                value, topic, key=key.encode(), headers={"type": event_type}, no_confirm=True
+            )
+            futures.append(fut)
+        await asyncio.gather(*futures)  # type: ignore[arg-type]
+
+    async def publish_committed(self) -> int:
+        """Send what handlers staged, in commit order, then delete those rows."""
+        async with self._lock:
+            queued, self._queue = self._queue, []
+            if not queued:
+                return 0
+            ids = [i for st in queued for i in st.ids]
+            try:
+                await self._publish(
+                    [
+                        (m.topic, m.key, m.envelope.type, m.encode())
+                        for st in queued
+                        for m in st.messages
+                    ]
+                )
+                await self._pool.execute(
+                    f'DELETE FROM "{self._schema}".outbox WHERE id = ANY($1::bigint[])', ids
+                )
+            finally:
+                # Published or not, the rows are the scan's business from here on.
+                self._inflight.difference_update(ids)
+            self.published += len(ids)
+            return len(ids)
+
+    async def flush(self, *, min_age_s: float = 0.0) -> int:
+        """Publish rows from the table until none (older than `min_age_s`) is left."""
         total = 0
         async with self._lock:
-            if full:
-                self._after_id = 0
             while True:
-                sent = await self._flush_once()
+                sent = await self._flush_once(min_age_s)
                 total += sent
                 if sent < self._batch:
                     break
         self.published += total
         return total
 
-    async def _flush_once(self) -> int:
+    async def _flush_once(self, min_age_s: float) -> int:
         async with self._pool.acquire() as conn, conn.transaction():
             # SKIP LOCKED lets several replicas of a service relay without sending a row twice.
             rows = await conn.fetch(
                 f'DELETE FROM "{self._schema}".outbox WHERE id IN ('
-                f'SELECT id FROM "{self._schema}".outbox WHERE id > $2 ORDER BY id LIMIT $1 '
-                "FOR UPDATE SKIP LOCKED) RETURNING id, topic, key, event_type, value",
+                f'SELECT id FROM "{self._schema}".outbox WHERE NOT (id = ANY($2::bigint[])) '
+                "AND created_at <= now() - make_interval(secs => $3) "
+                "ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED) "
+                "RETURNING id, topic, key, event_type, value",
                 self._batch,
-                self._after_id,
+                list(self._inflight),
+                min_age_s,
             )
             if not rows:
                 return 0
             rows = sorted(rows, key=lambda r: r["id"])
-            futures = []
-            for r in rows:
-                fut = await self._broker.publish(
-                    bytes(r["value"]),
-                    r["topic"],
-                    key=r["key"].encode(),
-                    headers={"type": r["event_type"]},
-                    no_confirm=True,
-                )
-                futures.append(fut)
             # The delete commits only once the broker has every message.
-            await asyncio.gather(*futures)  # type: ignore[arg-type]
-        self._after_id = rows[-1]["id"]
-        return len(rows)
+            await self._publish(
+                [(r["topic"], r["key"], r["event_type"], bytes(r["value"])) for r in rows]
+            )
+            return len(rows)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
-        """Flush whenever kicked, and every `interval_s` anyway (rows left by a crash or a
-        failed flush)."""
         while True:
-            kicked = True
+            woken = True
             try:
                 await asyncio.wait_for(self._wake.wait(), interval_s)
             except TimeoutError:
-                kicked = False
+                woken = False
             self._wake.clear()
             try:
-                await self.flush(full=not kicked)
+                await self.publish_committed()
+                if self._scan_asked or not woken:
+                    self._scan_asked = False
+                    await self.flush(min_age_s=0.0 if woken else self._stale_after_s)
             except Exception:
-                log.warning("outbox flush failed; will retry", exc_info=True)
+                log.warning("outbox relay failed; will retry", exc_info=True)
                 await asyncio.sleep(0.2)

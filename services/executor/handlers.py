@@ -24,7 +24,7 @@ from schemas.events import (
 )
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
-from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
+from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
 from services.executor.nodes import NodeBook
 from services.executor.simulated import simulate
 from services.executor.store import ExecutorStore, RunningJob, utcnow
@@ -123,14 +123,14 @@ class Executor:
         if not mine and not dead:
             return
         try:
-            await self._commit(mine, dead)
+            staged = await self._commit(mine, dead)
         except Exception:
             # Memory may be ahead of the store now: rebuild it from the store, then redeliver.
             await self._reload()
             raise
-        self.relay.kick()
+        self.relay.committed(staged)
 
-    async def _commit(self, items: list[tuple[Envelope, Any]], dead: list[OutMessage]) -> None:
+    async def _commit(self, items: list[tuple[Envelope, Any]], dead: list[OutMessage]) -> Staged:
         async with self.store.pool.acquire() as conn, conn.transaction():
             fresh = await claim_events(conn, self.store.schema, [e.event_id for e, _ in items])
             out = list(dead)
@@ -152,8 +152,9 @@ class Executor:
                 epoch=self.epoch if self.epoch != epoch_before else None,
                 tombstones=tombs,
             )
-            await add_to_outbox(conn, self.store.schema, out)
+            staged = await add_to_outbox(conn, self.store.schema, out)
         self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
+        return staged
 
     def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
         self.metrics.refused.labels(code).inc()
@@ -271,7 +272,7 @@ class Executor:
                 await self.store.write(
                     conn, started=[], ended=[j.job_id for j in due], epoch=None, tombstones=[]
                 )
-                await add_to_outbox(conn, self.store.schema, out)
+                staged = await add_to_outbox(conn, self.store.schema, out)
         except Exception:
             for job in due:  # try again on the next tick
                 heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
@@ -280,7 +281,7 @@ class Executor:
             self.running.pop(job.job_id, None)
             self.book.release(job.job_id)
             self.metrics.finished.labels(job.outcome).inc()
-        self.relay.kick()
+        self.relay.committed(staged)
         return len(due)
 
     async def _reload(self) -> None:

@@ -76,8 +76,8 @@ class QueueProcessor:
                 await store.add_history(conn, plan.history)
                 await store.add_rejections(conn, plan.rejections)
                 await store.add_early_cancels(conn, plan.early_cancels)
-                await add_to_outbox(conn, store.SCHEMA, [*dead, *plan.emits])
-            self.relay.kick()
+                staged = await add_to_outbox(conn, store.SCHEMA, [*dead, *plan.emits])
+            self.relay.committed(staged)
         self._count(plan, len(dead), len(unique) - len(todo))
         return plan
 
