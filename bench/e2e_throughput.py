@@ -38,8 +38,13 @@ TOKENS = {"vision": "dev-vision", "nlp": "dev-nlp", "speech": "dev-speech"}
 
 def job(i: int, run: str) -> dict[str, Any]:
     # Small, short jobs so the fleet never fills: the bench measures the pipeline.
-    return {"tenant": TENANTS[i % 3], "name": f"bench-{run}-{i}", "replicas": 1,
-            "resources": {"accelerators": 1}, "labels": {"sim_duration_s": "30"}}
+    return {
+        "tenant": TENANTS[i % 3],
+        "name": f"bench-{run}-{i}",
+        "replicas": 1,
+        "resources": {"accelerators": 1},
+        "labels": {"sim_duration_s": "30"},
+    }
 
 
 class Observer:
@@ -52,10 +57,13 @@ class Observer:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(topics.PLACEMENT_DECIDED,
-                                          bootstrap_servers=self.bootstrap,
-                                          auto_offset_reset="latest", fetch_max_wait_ms=5,
-                                          enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(
+            topics.PLACEMENT_DECIDED,
+            bootstrap_servers=self.bootstrap,
+            auto_offset_reset="latest",
+            fetch_max_wait_ms=10,
+            enable_auto_commit=False,
+        )
         await self._consumer.start()
         await self._consumer.seek_to_end()
         self._task = asyncio.create_task(self._run())
@@ -81,8 +89,9 @@ class Observer:
 
 class KafkaSubmitter:
     def __init__(self, bootstrap: str) -> None:
-        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=1,
-                                         max_batch_size=1 << 20)
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap, linger_ms=1, max_batch_size=1 << 20
+        )
 
     async def __aenter__(self) -> KafkaSubmitter:
         await self.producer.start()
@@ -93,17 +102,23 @@ class KafkaSubmitter:
 
     async def submit(self, body: dict[str, Any]) -> str:
         job_id = new_id()
-        env = Envelope(type="JobSubmitted", producer="bench", tenant=body["tenant"],
-                       payload={**body, "job_id": job_id})
-        await self.producer.send(topics.JOB_SUBMITTED, env.model_dump_json().encode(),
-                                 key=job_id.encode())
+        env = Envelope(
+            type="JobSubmitted",
+            producer="bench",
+            tenant=body["tenant"],
+            payload={**body, "job_id": job_id},
+        )
+        await self.producer.send(
+            topics.JOB_SUBMITTED, env.model_dump_json().encode(), key=job_id.encode()
+        )
         return job_id
 
 
 class RestSubmitter:
     def __init__(self, gateway: str) -> None:
-        self.client = httpx.AsyncClient(base_url=gateway, timeout=30,
-                                        limits=httpx.Limits(max_connections=64))
+        self.client = httpx.AsyncClient(
+            base_url=gateway, timeout=30, limits=httpx.Limits(max_connections=64)
+        )
 
     async def __aenter__(self) -> RestSubmitter:
         return self
@@ -112,14 +127,14 @@ class RestSubmitter:
         await self.client.aclose()
 
     async def submit(self, body: dict[str, Any]) -> str:
-        r = await self.client.post("/v1/jobs", json=body,
-                                   headers={"Authorization": f"Bearer {TOKENS[body['tenant']]}"})
+        r = await self.client.post(
+            "/v1/jobs", json=body, headers={"Authorization": f"Bearer {TOKENS[body['tenant']]}"}
+        )
         r.raise_for_status()
         return str(r.json()["job_id"])
 
 
-async def offer(submitter: Any, rate: float, count: int, run: str,
-                sent: dict[str, float]) -> float:
+async def offer(submitter: Any, rate: float, count: int, run: str, sent: dict[str, float]) -> float:
     """Submit `count` jobs at `rate` per second (open loop); returns the seconds it took."""
     start = time.perf_counter()
     inflight: set[asyncio.Task[None]] = set()
@@ -153,12 +168,12 @@ def latencies_ms(observer: Observer, sent: dict[str, float]) -> list[float]:
     return sorted((observer.placed[j] - t) * 1000 for j, t in sent.items() if j in observer.placed)
 
 
-async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace
-                  ) -> dict[str, Any]:
+async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace) -> dict[str, Any]:
     observer = Observer(bootstrap)
     await observer.start()
-    submitter: Any = RestSubmitter(gateway) if args.via == "rest" and gateway else \
-        KafkaSubmitter(bootstrap)
+    submitter: Any = (
+        RestSubmitter(gateway) if args.via == "rest" and gateway else KafkaSubmitter(bootstrap)
+    )
     try:
         async with submitter:
             # Warm-up: connections, consumer positions, first cycles.
@@ -171,9 +186,11 @@ async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace
             took = await offer(submitter, args.rate, count, "fixed", fixed)
             await wait_placed(observer, fixed, 60)
             lat = latencies_ms(observer, fixed)
-            print(f"offered {args.rate:.0f}/s for {took:.1f} s: {len(lat)}/{count} placed, "
-                  f"p50 {percentile(lat, 0.5):.1f} ms, p99 {percentile(lat, 0.99):.1f} ms, "
-                  f"max {lat[-1] if lat else float('nan'):.1f} ms")
+            print(
+                f"offered {args.rate:.0f}/s for {took:.1f} s: {len(lat)}/{count} placed, "
+                f"p50 {percentile(lat, 0.5):.1f} ms, p99 {percentile(lat, 0.99):.1f} ms, "
+                f"max {lat[-1] if lat else float('nan'):.1f} ms"
+            )
 
             burst: dict[str, float] = {}
             t0 = time.perf_counter()
@@ -185,9 +202,11 @@ async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace
             lo, hi = int(len(done) * 0.1), int(len(done) * 0.9) - 1
             sustained = (hi - lo) / (done[hi] - done[lo]) if hi > lo else float("nan")
             overall = len(done) / (done[-1] - t0) if done else float("nan")
-            print(f"overload {args.burst} jobs offered at {args.burst_rate:.0f}/s: "
-                  f"{len(done)} placed, sustained {sustained:.0f} jobs/s "
-                  f"(overall {overall:.0f} jobs/s incl. ramp)")
+            print(
+                f"overload {args.burst} jobs offered at {args.burst_rate:.0f}/s: "
+                f"{len(done)} placed, sustained {sustained:.0f} jobs/s "
+                f"(overall {overall:.0f} jobs/s incl. ramp)"
+            )
     finally:
         await observer.stop()
     return {
@@ -215,8 +234,9 @@ def platform_urls() -> Iterator[tuple[str, str | None, str]]:
         kafka = infra.start_kafka(Path(tmp) / "kafka")
         env = {"QM_KAFKA_BOOTSTRAP": kafka.url}
         try:
-            stack = Stack.start(Path(tmp) / "state", gateway_port=infra.free_port(), env=env,
-                                time_scale=600.0)
+            stack = Stack.start(
+                Path(tmp) / "state", gateway_port=infra.free_port(), env=env, time_scale=600.0
+            )
             try:
                 yield kafka.url, stack.gateway_url, "stack started by the bench"
             finally:
@@ -226,8 +246,9 @@ def platform_urls() -> Iterator[tuple[str, str | None, str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--via", choices=("kafka", "rest"), default="kafka")
     parser.add_argument("--rate", type=float, default=200.0, help="fixed offered rate, jobs/s")
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -237,9 +258,14 @@ def main() -> None:
     with platform_urls() as (bootstrap, gateway, where):
         print(f"e2e_throughput via {args.via} against the {where} ({bootstrap})")
         figures = asyncio.run(measure(bootstrap, gateway, args))
-    setup = {**describe(), "via": args.via, "fixed_seconds": args.seconds,
-             "burst_jobs": args.burst, "burst_offered_per_s": args.burst_rate,
-             "job": "1 accelerator, 30 virtual s, time scale 600"}
+    setup = {
+        **describe(),
+        "via": args.via,
+        "fixed_seconds": args.seconds,
+        "burst_jobs": args.burst,
+        "burst_offered_per_s": args.burst_rate,
+        "job": "1 accelerator, 30 virtual s, time scale 600",
+    }
     print(json.dumps({"bench": "e2e_throughput", **figures, "setup": setup}))
 
 

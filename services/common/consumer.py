@@ -30,7 +30,11 @@ BatchHandler = Callable[[Records], Awaitable[None]]
 
 
 class OffsetCommitter:
-    def __init__(self) -> None:
+    """Commits the highest processed offsets, at most every `min_interval_s`: each commit is a
+    broker round trip, and coalescing them costs only a little more redelivery on a crash."""
+
+    def __init__(self, min_interval_s: float = 0.1) -> None:
+        self._min_interval_s = min_interval_s
         self._pending: dict[int, tuple[AIOKafkaConsumer, dict[TopicPartition, int]]] = {}
         self._wake = asyncio.Event()
         self.failed = 0
@@ -58,6 +62,7 @@ class OffsetCommitter:
             await self._wake.wait()
             self._wake.clear()
             await self.flush()
+            await asyncio.sleep(self._min_interval_s)
 
 
 def consume_batches(

@@ -11,5 +11,6 @@ class ExecutorSettings(ServiceSettings):
     heartbeat_interval_s: float = 5.0
     capacity_interval_s: float = 30.0
     tick_interval_s: float = 0.05
-    # Placements wait in the broker at most this long; three executors poll, so not too often.
-    fetch_max_wait_ms: int = 25
+    # Placements wait in the broker at most this long. Every poll is a broker round trip and
+    # there is an executor per cluster, so they poll less often than the scheduling path.
+    fetch_max_wait_ms: int = 50

@@ -5,4 +5,4 @@ from services.common.settings import ServiceSettings
 
 class QueueSettings(ServiceSettings):
     group_id: str = "queue"
-    lifecycle_fetch_max_wait_ms: int = 40
+    lifecycle_fetch_max_wait_ms: int = 100

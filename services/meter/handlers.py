@@ -1,0 +1,236 @@
+"""The meter's two writers: the batch handler (lifecycle facts in, runs opened and closed) and
+the clock (open runs billed interval by interval, idle capacity). Each step writes the ledger,
+the run state, the budget counters and the outbox in one transaction; one lock keeps the two
+from interleaving, so memory (the open runs) always equals the store after a commit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import asyncpg
+from aiokafka import ConsumerRecord
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas.envelope import utcnow
+from schemas.usage import BudgetExceeded, TickKind
+from services.common.kafka import OutMessage
+from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
+from services.meter import store
+from services.meter.budgets import (
+    MeterConfig,
+    exceeded,
+    of_tenants,
+    reached,
+    usage_deltas,
+    used,
+)
+from services.meter.emit import budget_messages, tick_messages
+from services.meter.intake import read_batch
+from services.meter.overhead import idle_ticks
+from services.meter.pricing import Pool, PriceBook, PriceKey
+from services.meter.runs import Phase, RunKey, RunState, apply_facts, bill_open, fact_key
+from services.meter.ticks import Grid, Tick
+
+
+class MeterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ticks = Counter(
+            "qm_meter_ticks_written_total", "Ticks new to the ledger", ["kind"], registry=registry
+        )
+        self.credits = Counter(
+            "qm_meter_credit_ticks_total",
+            "Close ticks with negative seconds (a run ended inside time already billed)",
+            registry=registry,
+        )
+        self.open_runs = Gauge("qm_meter_open_runs", "Runs billed by the clock", registry=registry)
+        self.duplicates = Counter(
+            "qm_meter_duplicates_total", "Redelivered events skipped", registry=registry
+        )
+        self.dead = Counter("qm_meter_dead_letters_total", "Unreadable records", registry=registry)
+        self.budget_events = Counter(
+            "qm_meter_budget_thresholds_total", "Budget thresholds announced", registry=registry
+        )
+        self.unpriced = Gauge(
+            "qm_meter_unpriced_pools", "Pools without any price (billed at 0)", registry=registry
+        )
+        self.batch = Histogram("qm_meter_batch_seconds", "One lifecycle batch", registry=registry)
+        self.tick_pass = Histogram("qm_meter_tick_seconds", "One clock pass", registry=registry)
+
+
+class Meter:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        relay: OutboxRelay,
+        grid: Grid,
+        config: MeterConfig,
+        book: PriceBook,
+        metrics: MeterMetrics,
+        *,
+        lag_s: float,
+        idle_lag_s: float,
+        max_intervals_per_pass: int,
+        max_idle_backfill: int,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.pool = pool
+        self.relay = relay
+        self.grid = grid
+        self.config = config
+        self.book = book
+        self.metrics = metrics
+        self.lag = timedelta(seconds=lag_s)
+        self.idle_lag = timedelta(seconds=idle_lag_s)
+        self.max_intervals_per_pass = max_intervals_per_pass
+        self.max_idle_backfill = max_idle_backfill
+        self.clock = clock
+        self.open: dict[RunKey, RunState] = {}
+        self.pools: dict[PriceKey, Pool] = {}
+        self.idle_done: int | None = None
+        self.caught_up = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    async def restore(self) -> None:
+        self.open = {s.key: s for s in await store.load_open(self.pool)}
+        self.pools = {p.key: p for p in await store.load_pools(self.pool)}
+        self.idle_done = await store.idle_through(self.pool)
+        self.metrics.open_runs.set(len(self.open))
+
+    # --- lifecycle facts -----------------------------------------------------------------
+
+    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...], full: int = 0) -> None:
+        """One batch; `full` is the batch size at which more records may be waiting."""
+        facts, dead = read_batch(records)
+        unique = list({event_id: fact for event_id, fact in facts}.items())
+        with self.metrics.batch.time():
+            async with self._lock:
+                if unique or dead:
+                    await self._apply(unique, dead)
+        self.metrics.dead.inc(len(dead))
+        if not full or len(records) < full:
+            self.caught_up.set()
+
+    async def _apply(self, facts: list[tuple[str, Any]], dead: list[OutMessage]) -> None:
+        async with self.pool.acquire() as conn, conn.transaction():
+            fresh = await claim_events(conn, store.SCHEMA, [e for e, _ in facts])
+            todo = [f for e, f in facts if e in fresh]
+            keys = {k for k in map(fact_key, todo) if k is not None}
+            known = {k: self.open[k] for k in keys if k in self.open}
+            known.update(await store.lock_runs(conn, keys - known.keys()))
+            applied = apply_facts(todo, known, self.book, self.grid)
+            await store.save_runs(conn, list(applied.states.values()))
+            await store.save_pools(conn, applied.pools)
+            staged = await self._write(conn, applied.ticks, dead)
+        self.relay.committed(staged)
+        for key, state in applied.states.items():
+            if state.phase is Phase.OPEN:
+                self.open[key] = state
+            else:
+                self.open.pop(key, None)
+        for cluster, pools in applied.pools.items():
+            self.pools = {k: p for k, p in self.pools.items() if p.cluster != cluster}
+            self.pools.update((p.key, p) for p in pools)
+        self.metrics.duplicates.inc(len(facts) - len(todo))
+        self.metrics.open_runs.set(len(self.open))
+        self.metrics.unpriced.set(len(self.book.unpriced))
+
+    # --- the clock -----------------------------------------------------------------------
+
+    async def tick(self, now: datetime | None = None) -> bool:
+        """Bill open runs for every interval that has ended; account idle capacity. Returns
+        True when a catch-up limit held something back (call again at once)."""
+        now = now or self.clock()
+        last = self.grid.closed_through(now - self.lag)
+        with self.metrics.tick_pass.time():
+            async with self._lock:
+                changed, ticks, held = bill_open(
+                    self.open.values(), last, self.grid, self.max_intervals_per_pass
+                )
+                # Idle needs every usage tick of its interval: not while runs are catching up.
+                idle = None if held else self._idle_range(now)
+                if not ticks and idle is None:
+                    return held
+                async with self.pool.acquire() as conn, conn.transaction():
+                    new = await store.insert_ticks(conn, ticks)
+                    await store.save_billed(conn, changed)
+                    if idle is not None:
+                        ticks_idle = await self._idle(conn, *idle)
+                        new += await store.insert_ticks(conn, ticks_idle)
+                        await store.set_idle_through(conn, idle[1])
+                    staged = await self._announce(conn, new, [])
+                self.relay.committed(staged)
+                for state in changed:
+                    self.open[state.key] = state
+                if idle is not None:
+                    self.idle_done = idle[1]
+        return held
+
+    def _idle_range(self, now: datetime) -> tuple[int, int] | None:
+        last = self.grid.closed_through(now - self.idle_lag)
+        if self.idle_done is not None and self.idle_done >= last:
+            return None
+        # A first start accounts from now on; a restart catches up, within reason.
+        first = last if self.idle_done is None else self.idle_done + 1
+        return max(first, last - self.max_idle_backfill + 1), last
+
+    async def _idle(self, conn: asyncpg.Connection, first: int, last: int) -> list[Tick]:
+        allocated = await store.allocated(conn, first, last)
+        pools = list(self.pools.values())
+        out: list[Tick] = []
+        for k in range(first, last + 1):
+            out += idle_ticks(k, pools, allocated.get(k, {}), self.grid, self.config.overhead)
+        return out
+
+    # --- writing ---------------------------------------------------------------------------
+
+    async def _write(
+        self, conn: asyncpg.Connection, ticks: list[Tick], extra: list[OutMessage]
+    ) -> Staged:
+        return await self._announce(conn, await store.insert_ticks(conn, ticks), extra)
+
+    async def _announce(
+        self, conn: asyncpg.Connection, new: list[Tick], extra: list[OutMessage]
+    ) -> Staged:
+        """Budget counters and the outbox for ticks new to the ledger (a replay adds none)."""
+        budget_events = await self._budgets(conn, new)
+        for t in new:
+            self.metrics.ticks.labels(t.kind.value).inc()
+            if t.kind is TickKind.CLOSE and t.seconds < 0:
+                self.metrics.credits.inc()
+        self.metrics.budget_events.inc(len(budget_events))
+        messages = [
+            *extra,
+            *tick_messages(new, self.grid, self.config.currency),
+            *budget_messages(budget_events),
+        ]
+        return await add_to_outbox(conn, store.SCHEMA, messages)
+
+    async def _budgets(self, conn: asyncpg.Connection, new: list[Tick]) -> list[BudgetExceeded]:
+        deltas = usage_deltas(new)
+        if not deltas:
+            return []
+        await store.add_budget_usage(conn, deltas)
+        now = self.clock()
+        events: list[BudgetExceeded] = []
+        for month in sorted({m for _, _, m in deltas}):
+            tenants = {t for t, _, m in deltas if m == month}
+            budgets = of_tenants(self.config.budgets, tenants)
+            if not budgets:
+                continue
+            totals = await store.budget_totals(conn, tenants, month)
+            candidates = []
+            for b in budgets:
+                consumption = used(b, totals)
+                candidates += [(b, threshold, consumption) for threshold in reached(b, consumption)]
+            claimed = await store.claim_thresholds(
+                conn, [(b.budget_id, month, th, u) for b, th, u in candidates]
+            )
+            events += [
+                exceeded(b, month, u, th, self.config.currency, now)
+                for b, th, u in candidates
+                if (b.budget_id, month, th) in claimed
+            ]
+        return events

@@ -1,0 +1,29 @@
+"""Meter settings (env prefix QM_)."""
+
+from pathlib import Path
+
+from services.common.settings import REPO_ROOT, ServiceSettings
+
+
+class MeterSettings(ServiceSettings):
+    group_id: str = "meter"
+    budgets_file: Path = REPO_ROOT / "examples" / "budgets.yaml"
+    # Fleet seconds per wall-clock second: the executors' QM_TIME_SCALE (1 on a real cluster).
+    time_scale: float = 60.0
+    # Length of a metering interval in fleet seconds (QM_METER_INTERVAL_S).
+    meter_interval_s: float = 60.0
+    # An open run's interval is billed this long (wall clock) after it ends, so that a run
+    # ending inside it is usually closed by its end event first rather than credited after.
+    meter_lag_s: float = 1.0
+    # Idle capacity of an interval is worked out later still, once its usage is in.
+    meter_idle_lag_s: float = 5.0
+    meter_tick_period_s: float = 0.25
+    # After a restart, wait this long (at most) for the backlog of lifecycle events before
+    # billing open runs by the clock.
+    meter_startup_grace_s: float = 10.0
+    # Catching up after downtime: at most this many intervals per run per pass.
+    meter_max_intervals_per_pass: int = 500
+    meter_max_idle_backfill: int = 10_000
+    # Lifecycle events are not on any job's critical path.
+    fetch_max_wait_ms: int = 40
+    max_batch_records: int = 2000

@@ -1,0 +1,352 @@
+"""The meter's PostgreSQL schema `meter`: ledger, runs, pools, budget counters. Batched:
+every write takes a whole batch in one statement."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from services.common.db import migrate
+from services.meter.pricing import Pool, PriceKey
+from services.meter.runs import Phase, Placement, RunKey, RunState
+from services.meter.ticks import ZERO, Run, Share, Tick
+
+SCHEMA = "meter"
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+_TICK_COLUMNS = (
+    ("tick_id", "text"),
+    ("kind", "text"),
+    ("run_id", "text"),
+    ("job_id", "text"),
+    ("attempt", "int"),
+    ("tenant", "text"),
+    ("project", "text"),
+    ('"user"', "text"),
+    ("cluster", "text"),
+    ("accelerator_type", "text"),
+    ("price_tier", "text"),
+    ("count", "numeric"),
+    ("interval_index", "bigint"),
+    ("interval_start", "timestamptz"),
+    ("interval_end", "timestamptz"),
+    ("start_offset_s", "numeric"),
+    ("end_offset_s", "numeric"),
+    ("seconds", "numeric"),
+    ("accelerator_seconds", "numeric"),
+    ("unit_price", "numeric"),
+    ("cost", "numeric"),
+    ("outcome", "text"),
+)
+_ARRAYS = ", ".join(f"${i}::{t}[]" for i, (_, t) in enumerate(_TICK_COLUMNS, 1))
+_INSERT_TICKS = (
+    f"INSERT INTO {SCHEMA}.ledger ({', '.join(c for c, _ in _TICK_COLUMNS)}) "
+    f"SELECT * FROM unnest({_ARRAYS})"
+    " ON CONFLICT (tick_id) DO NOTHING RETURNING tick_id"
+)
+
+
+async def migrate_meter(pool: asyncpg.Pool) -> list[str]:
+    return await migrate(pool, SCHEMA, MIGRATIONS)
+
+
+# --- ledger ------------------------------------------------------------------------------
+
+
+async def insert_ticks(conn: asyncpg.Connection, ticks: Sequence[Tick]) -> list[Tick]:
+    """Write ticks; return those not in the ledger before (a replay returns none)."""
+    if not ticks:
+        return []
+    columns: list[list[Any]] = [
+        [t.tick_id for t in ticks],
+        [t.kind.value for t in ticks],
+        [t.run_id for t in ticks],
+        [t.job_id for t in ticks],
+        [t.attempt for t in ticks],
+        [t.tenant for t in ticks],
+        [t.project for t in ticks],
+        [t.user for t in ticks],
+        [t.cluster for t in ticks],
+        [t.accelerator_type for t in ticks],
+        [t.price_tier for t in ticks],
+        [t.count for t in ticks],
+        [t.interval_index for t in ticks],
+        [t.interval_start for t in ticks],
+        [t.interval_end for t in ticks],
+        [t.start_offset_s for t in ticks],
+        [t.end_offset_s for t in ticks],
+        [t.seconds for t in ticks],
+        [t.accelerator_seconds for t in ticks],
+        [t.unit_price for t in ticks],
+        [t.cost for t in ticks],
+        [t.outcome for t in ticks],
+    ]
+    rows = await conn.fetch(_INSERT_TICKS, *columns)
+    fresh = {r["tick_id"] for r in rows}
+    return [t for t in ticks if t.tick_id in fresh]
+
+
+async def allocated(
+    conn: asyncpg.Connection, first: int, last: int
+) -> dict[int, dict[PriceKey, dict[str, Decimal]]]:
+    """Usage accelerator-seconds per interval, pool and tenant, for intervals first..last."""
+    rows = await conn.fetch(
+        "SELECT interval_index, cluster, accelerator_type, price_tier, tenant, "
+        "sum(accelerator_seconds) AS s FROM meter.ledger "
+        "WHERE interval_index BETWEEN $1 AND $2 AND kind <> 'idle' "
+        "GROUP BY interval_index, cluster, accelerator_type, price_tier, tenant",
+        first,
+        last,
+    )
+    out: dict[int, dict[PriceKey, dict[str, Decimal]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        key = (r["cluster"], r["accelerator_type"], r["price_tier"])
+        out[r["interval_index"]][key][r["tenant"]] = r["s"]
+    return out
+
+
+# --- runs --------------------------------------------------------------------------------
+
+
+def _shares_json(shares: Iterable[Share]) -> list[list[str]]:
+    return [[s.price_tier, str(s.count), str(s.unit_price)] for s in shares]
+
+
+def _shares(raw: list[list[str]]) -> tuple[Share, ...]:
+    return tuple(Share(t, Decimal(c), Decimal(p)) for t, c, p in raw)
+
+
+def _run_json(run: Run) -> str:
+    return json.dumps(
+        {
+            "tenant": run.tenant,
+            "project": run.project,
+            "user": run.user,
+            "cluster": run.cluster,
+            "accelerator_type": run.accelerator_type,
+            "shares": _shares_json(run.shares),
+            "start_v": str(run.start_v),
+        }
+    )
+
+
+def _placements_json(placements: Iterable[Placement]) -> str:
+    return json.dumps(
+        [
+            {
+                "epoch": p.epoch,
+                "tenant": p.tenant,
+                "project": p.project,
+                "user": p.user,
+                "cluster": p.cluster,
+                "accelerator_type": p.accelerator_type,
+                "nodes": list(p.nodes),
+                "shares": _shares_json(p.shares),
+            }
+            for p in placements
+        ]
+    )
+
+
+def _state(row: asyncpg.Record) -> RunState:
+    run = None
+    if row["run"] is not None:
+        r = json.loads(row["run"])
+        run = Run(
+            row["job_id"],
+            row["attempt"],
+            r["tenant"],
+            r["project"],
+            r["user"],
+            r["cluster"],
+            r["accelerator_type"],
+            _shares(r["shares"]),
+            Decimal(r["start_v"]),
+            row["billed_s"] if row["billed_s"] is not None else ZERO,
+        )
+    placements = tuple(
+        Placement(
+            p["epoch"],
+            p["tenant"],
+            p["project"],
+            p["user"],
+            p["cluster"],
+            p["accelerator_type"],
+            tuple(p["nodes"]),
+            _shares(p["shares"]),
+        )
+        for p in json.loads(row["placements"])
+    )
+    return RunState(
+        row["job_id"],
+        row["attempt"],
+        Phase(row["phase"]),
+        placements,
+        row["started_at"],
+        tuple(row["nodes"]),
+        row["ran_s"],
+        row["outcome"],
+        run,
+    )
+
+
+_RUN_COLUMNS = (
+    "job_id, attempt, phase, placements, started_at, nodes, ran_s, outcome, run, billed_s"
+)
+
+
+async def load_open(pool: asyncpg.Pool) -> list[RunState]:
+    rows = await pool.fetch(f"SELECT {_RUN_COLUMNS} FROM meter.runs WHERE phase = 'open'")
+    return [_state(r) for r in rows]
+
+
+async def lock_runs(conn: asyncpg.Connection, keys: Iterable[RunKey]) -> dict[RunKey, RunState]:
+    wanted = sorted(set(keys))  # a stable lock order
+    if not wanted:
+        return {}
+    rows = await conn.fetch(
+        f"SELECT {_RUN_COLUMNS} FROM meter.runs r JOIN unnest($1::text[], $2::int[]) "
+        "AS k(j, a) ON r.job_id = k.j AND r.attempt = k.a ORDER BY r.job_id, r.attempt FOR UPDATE",
+        [k[0] for k in wanted],
+        [k[1] for k in wanted],
+    )
+    return {(r["job_id"], r["attempt"]): _state(r) for r in rows}
+
+
+async def save_runs(conn: asyncpg.Connection, states: Sequence[RunState]) -> None:
+    if not states:
+        return
+    await conn.executemany(
+        f"INSERT INTO meter.runs ({_RUN_COLUMNS}, updated_at) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now()) "
+        "ON CONFLICT (job_id, attempt) DO UPDATE SET phase = EXCLUDED.phase, "
+        "placements = EXCLUDED.placements, started_at = EXCLUDED.started_at, "
+        "nodes = EXCLUDED.nodes, ran_s = EXCLUDED.ran_s, outcome = EXCLUDED.outcome, "
+        "run = EXCLUDED.run, billed_s = EXCLUDED.billed_s, updated_at = now()",
+        [
+            (
+                s.job_id,
+                s.attempt,
+                s.phase.value,
+                _placements_json(s.placements),
+                s.started_at,
+                list(s.nodes),
+                s.ran_s,
+                s.outcome,
+                _run_json(s.run) if s.run else None,
+                s.run.billed_s if s.run else None,
+            )
+            for s in states
+        ],
+    )
+
+
+async def save_billed(conn: asyncpg.Connection, states: Sequence[RunState]) -> None:
+    """The clock moved on: only how far each open run is billed changed."""
+    runs = [s.run for s in states if s.run is not None]
+    if runs:
+        await conn.execute(
+            "UPDATE meter.runs AS r SET billed_s = u.b, updated_at = now() "
+            "FROM unnest($1::text[], $2::int[], $3::numeric[]) AS u(j, a, b) "
+            "WHERE r.job_id = u.j AND r.attempt = u.a",
+            [r.job_id for r in runs],
+            [r.attempt for r in runs],
+            [r.billed_s for r in runs],
+        )
+
+
+# --- pools and idle accounting -------------------------------------------------------------
+
+
+async def save_pools(conn: asyncpg.Connection, by_cluster: dict[str, list[Pool]]) -> None:
+    """Replace each listed cluster's inventory (a capacity event is the whole cluster)."""
+    for cluster, pools in by_cluster.items():
+        await conn.execute("DELETE FROM meter.pools WHERE cluster = $1", cluster)
+        await conn.executemany(
+            "INSERT INTO meter.pools (cluster, accelerator_type, price_tier, accelerators, "
+            "unit_price) VALUES ($1, $2, $3, $4, $5)",
+            [
+                (p.cluster, p.accelerator_type, p.price_tier, p.accelerators, p.unit_price)
+                for p in pools
+            ],
+        )
+
+
+async def load_pools(pool: asyncpg.Pool) -> list[Pool]:
+    rows = await pool.fetch(
+        "SELECT cluster, accelerator_type, price_tier, accelerators, unit_price FROM meter.pools"
+    )
+    return [Pool(**dict(r)) for r in rows]
+
+
+async def idle_through(conn: asyncpg.Connection | asyncpg.Pool) -> int | None:
+    value = await conn.fetchval("SELECT idle_through FROM meter.meter_state WHERE id = 1")
+    return None if value is None else int(value)
+
+
+async def set_idle_through(conn: asyncpg.Connection, index: int) -> None:
+    await conn.execute(
+        "INSERT INTO meter.meter_state (id, idle_through) VALUES (1, $1) "
+        "ON CONFLICT (id) DO UPDATE SET idle_through = EXCLUDED.idle_through",
+        index,
+    )
+
+
+# --- budgets -------------------------------------------------------------------------------
+
+
+async def add_budget_usage(
+    conn: asyncpg.Connection, deltas: dict[tuple[str, str, str], tuple[Decimal, Decimal]]
+) -> None:
+    """deltas: (tenant, project, month) -> (accelerator-seconds, cost) to add."""
+    if not deltas:
+        return
+    keys = sorted(deltas)  # a stable lock order
+    await conn.execute(
+        "INSERT INTO meter.budget_usage AS b (tenant, project, month, accelerator_seconds, cost) "
+        "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::numeric[], $5::numeric[]) "
+        "ON CONFLICT (tenant, project, month) DO UPDATE SET "
+        "accelerator_seconds = b.accelerator_seconds + EXCLUDED.accelerator_seconds, "
+        "cost = b.cost + EXCLUDED.cost",
+        [k[0] for k in keys],
+        [k[1] for k in keys],
+        [k[2] for k in keys],
+        [deltas[k][0] for k in keys],
+        [deltas[k][1] for k in keys],
+    )
+
+
+async def budget_totals(
+    conn: asyncpg.Connection, tenants: Iterable[str], month: str
+) -> dict[tuple[str, str], tuple[Decimal, Decimal]]:
+    rows = await conn.fetch(
+        "SELECT tenant, project, accelerator_seconds, cost FROM meter.budget_usage "
+        "WHERE month = $1 AND tenant = ANY($2::text[])",
+        month,
+        sorted(set(tenants)),
+    )
+    return {(r["tenant"], r["project"]): (r["accelerator_seconds"], r["cost"]) for r in rows}
+
+
+async def claim_thresholds(
+    conn: asyncpg.Connection, rows: Sequence[tuple[str, str, Decimal, Decimal]]
+) -> set[tuple[str, str, Decimal]]:
+    """rows: (budget id, month, threshold, used). Returns those not announced before."""
+    if not rows:
+        return set()
+    got = await conn.fetch(
+        "INSERT INTO meter.budget_alerts (budget_id, month, threshold, used) "
+        "SELECT * FROM unnest($1::text[], $2::text[], $3::numeric[], $4::numeric[]) "
+        "ON CONFLICT DO NOTHING RETURNING budget_id, month, threshold",
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        [r[3] for r in rows],
+    )
+    return {(r["budget_id"], r["month"], r["threshold"]) for r in got}
