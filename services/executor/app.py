@@ -130,4 +130,5 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     app = create_http_app(runtime)
     app.state.runtime = runtime
     app.state.book = book
+    app.state.broker = broker
     return app

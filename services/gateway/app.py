@@ -66,4 +66,5 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         runtime.on_shutdown(close)
 
     app.state.runtime = runtime
+    app.state.broker = broker
     return app

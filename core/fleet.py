@@ -1,0 +1,157 @@
+"""Turns a fleet document (the YAML of examples/fleet.yaml, already parsed) into clusters and
+nodes. Pure: the caller reads the file. Node ids are `<cluster>-<prefix>-<index:04d>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from core.errors import FleetError
+from core.model import (
+    AcceleratorModel,
+    Cluster,
+    ClusterId,
+    ClusterKind,
+    Node,
+    NodeId,
+    PriceTier,
+)
+
+_GROUP_KEYS = {
+    "prefix",
+    "count",
+    "accelerator_type",
+    "accelerators_per_node",
+    "cpu",
+    "memory_gb",
+    "price_tier",
+    "nodes_per_rack",
+    "racks_per_block",
+    "nvlink_domain_size",
+    "generation",
+    "accelerator_memory_gb",
+    "relative_speed",
+}
+
+
+def load_fleet(
+    doc: Mapping[str, Any],
+    accelerator_types: Mapping[str, AcceleratorModel] | None = None,
+) -> tuple[dict[ClusterId, Cluster], dict[NodeId, Node]]:
+    """Clusters and nodes described by `doc`; `accelerator_types` (usually
+    `Policy.accelerator_types`) supplies generation, memory and speed for each type name."""
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("clusters"), list):
+        raise FleetError("fleet: expected a top-level 'clusters' list")
+    clusters: dict[ClusterId, Cluster] = {}
+    nodes: dict[NodeId, Node] = {}
+    for i, raw in enumerate(doc["clusters"]):
+        cluster = _cluster(raw, f"clusters[{i}]")
+        if cluster.cluster_id in clusters:
+            raise FleetError(f"clusters[{i}]: duplicate cluster {cluster.cluster_id!r}")
+        clusters[cluster.cluster_id] = cluster
+        for j, group in enumerate(raw.get("node_groups", [])):
+            where = f"clusters[{i}].node_groups[{j}]"
+            for node in _group_nodes(cluster.cluster_id, group, where, accelerator_types or {}):
+                if node.node_id in nodes:
+                    raise FleetError(f"{where}: duplicate node id {node.node_id!r}")
+                nodes[node.node_id] = node
+    return clusters, nodes
+
+
+def _cluster(raw: Any, where: str) -> Cluster:
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
+        raise FleetError(f"{where}: expected a mapping with a 'name'")
+    try:
+        kind = ClusterKind(raw.get("kind", "on_prem"))
+    except ValueError:
+        raise FleetError(f"{where}.kind: {raw.get('kind')!r} is not a cluster kind") from None
+    prices: dict[tuple[str, PriceTier], float] = {}
+    for type_name, tiers in (raw.get("prices") or {}).items():
+        if not isinstance(tiers, Mapping):
+            raise FleetError(f"{where}.prices.{type_name}: expected tier: price pairs")
+        for tier, price in tiers.items():
+            prices[(str(type_name), _tier(tier, f"{where}.prices.{type_name}"))] = _number(
+                price, f"{where}.prices.{type_name}.{tier}"
+            )
+    return Cluster(ClusterId(raw["name"]), str(raw.get("location", "")), kind, prices)
+
+
+def _group_nodes(
+    cluster: ClusterId,
+    group: Any,
+    where: str,
+    known_types: Mapping[str, AcceleratorModel],
+) -> list[Node]:
+    if not isinstance(group, Mapping):
+        raise FleetError(f"{where}: expected a mapping")
+    unknown = sorted(set(group) - _GROUP_KEYS)
+    if unknown:
+        raise FleetError(f"{where}: unknown key(s) {unknown}")
+    prefix = str(group.get("prefix", "node"))
+    count = _whole(group.get("count"), f"{where}.count")
+    per_node = _whole(group.get("accelerators_per_node", 8), f"{where}.accelerators_per_node")
+    per_rack = max(1, _whole(group.get("nodes_per_rack", 8), f"{where}.nodes_per_rack"))
+    per_block = max(1, _whole(group.get("racks_per_block", 8), f"{where}.racks_per_block"))
+    nvlink = max(1, _whole(group.get("nvlink_domain_size", 1), f"{where}.nvlink_domain_size"))
+    model = _model(group, where, known_types)
+    tier = _tier(group.get("price_tier", "on_demand"), f"{where}.price_tier")
+    cpu = _number(group.get("cpu", 64), f"{where}.cpu")
+    memory = _number(group.get("memory_gb", 512), f"{where}.memory_gb")
+    nodes = []
+    for index in range(count):
+        rack = index // per_rack
+        nodes.append(
+            Node(
+                node_id=NodeId(f"{cluster}-{prefix}-{index:04d}"),
+                cluster=cluster,
+                # Topology names carry the prefix so two groups never share a rack by accident.
+                block=f"{prefix}-b{rack // per_block}",
+                rack=f"{prefix}-r{rack}",
+                nvlink_domain=f"{prefix}-nv{index // nvlink}",
+                accelerator=model,
+                accelerators=per_node,
+                cpu=cpu,
+                memory_gb=memory,
+                price_tier=tier,
+            )
+        )
+    return nodes
+
+
+def _model(
+    group: Mapping[str, Any], where: str, known: Mapping[str, AcceleratorModel]
+) -> AcceleratorModel:
+    type_name = group.get("accelerator_type")
+    if not isinstance(type_name, str) or not type_name:
+        raise FleetError(f"{where}.accelerator_type: expected a type name")
+    base = known.get(type_name, AcceleratorModel(type_name, "unknown", 0.0, 1.0))
+    return AcceleratorModel(
+        type=type_name,
+        generation=str(group.get("generation", base.generation)),
+        memory_gb=_number(
+            group.get("accelerator_memory_gb", base.memory_gb), f"{where}.accelerator_memory_gb"
+        ),
+        relative_speed=_number(group.get("relative_speed", base.relative_speed), where),
+    )
+
+
+def _tier(value: Any, where: str) -> PriceTier:
+    try:
+        return PriceTier(value)
+    except ValueError:
+        raise FleetError(
+            f"{where}: {value!r} is not one of {[t.value for t in PriceTier]}"
+        ) from None
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise FleetError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _whole(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FleetError(f"{where}: expected a non-negative integer, got {value!r}")
+    return value

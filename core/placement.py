@@ -1,0 +1,292 @@
+"""Where one job goes: pick the topology domain (the cluster is its top level) by a score of
+effective cost, fit and availability, then the nodes inside it; gangs are all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.capacity import EPS, Capacity, FloatArray, IntArray
+from core.model import (
+    TOPOLOGY_ORDER,
+    Allocation,
+    ClusterId,
+    JobRequest,
+    ReplicaPlacement,
+    TopologyLevel,
+    WorkloadKind,
+)
+from core.policy import PlacementPreferences
+from core.reasons import Miss, ReasonCode
+
+LEVEL_WORDS = {
+    TopologyLevel.NODE: "node",
+    TopologyLevel.NVLINK: "NVLink domain",
+    TopologyLevel.RACK: "rack",
+    TopologyLevel.BLOCK: "block",
+    TopologyLevel.CLUSTER: "cluster",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: ClusterId
+    # (node index in Capacity, replicas on that node), in replica order.
+    nodes: tuple[tuple[int, int], ...]
+
+
+def invalid_reason(job: JobRequest) -> Miss | None:
+    """A request no fleet could ever satisfy as written (the queue should have rejected it)."""
+    if job.replicas < 1:
+        return Miss(ReasonCode.INVALID_REQUEST, f"the job asks for {job.replicas} replicas")
+    if job.accelerators < 0 or (job.accelerators > 1 and job.accelerators != int(job.accelerators)):
+        return Miss(
+            ReasonCode.INVALID_REQUEST,
+            f"{job.accelerators} accelerators per replica is neither a fraction nor whole",
+        )
+    return None
+
+
+def levels_to_try(job: JobRequest) -> tuple[TopologyLevel, ...]:
+    """A single replica always sits on one node; a preferred constraint widens level by level."""
+    if job.replicas == 1:
+        return (TopologyLevel.NODE,)
+    if job.topology_required:
+        return (job.topology,)
+    return TOPOLOGY_ORDER[TOPOLOGY_ORDER.index(job.topology) :]
+
+
+def find_placement(
+    cap: Capacity,
+    job: JobRequest,
+    prefs: PlacementPreferences,
+    cost_sensitivity: float,
+    blocked_holds: frozenset[int] = frozenset(),
+) -> Plan | Miss:
+    """The best plan for `job` on the current free capacity, or why there is none."""
+    idx = _usable_candidates(cap, job, prefs, blocked_holds)
+    if idx.size == 0:
+        return _miss_without_candidates(cap, job, prefs, blocked_holds)
+    slots = cap.slots(idx, job.accelerators, job.cpu, job.memory_gb)
+    for level in levels_to_try(job):
+        plan = _place_at_level(cap, job, prefs, cost_sensitivity, idx, slots, level)
+        if plan is not None:
+            return plan
+    return explain_miss(cap, job, prefs, blocked_holds)
+
+
+def _spot_ok(job: JobRequest, prefs: PlacementPreferences) -> bool:
+    return job.preemptible or not prefs.spot_for_preemptible_only
+
+
+def _usable_candidates(
+    cap: Capacity, job: JobRequest, prefs: PlacementPreferences, blocked_holds: frozenset[int]
+) -> IntArray:
+    idx = cap.candidates(job.accelerator_types, job.accelerator_memory_gb, _spot_ok(job, prefs))
+    if job.excluded_nodes:
+        excluded = np.array(
+            sorted(cap.index[n] for n in job.excluded_nodes if n in cap.index), dtype=np.int64
+        )
+        idx = idx[~np.isin(idx, excluded)]
+    if blocked_holds:
+        held = cap.held[idx]
+        idx = idx[~np.isin(held, np.array(sorted(blocked_holds), dtype=np.int64))]
+    return idx
+
+
+def _place_at_level(
+    cap: Capacity,
+    job: JobRequest,
+    prefs: PlacementPreferences,
+    cost_sensitivity: float,
+    idx: IntArray,
+    slots: IntArray,
+    level: TopologyLevel,
+) -> Plan | None:
+    useful = slots >= job.replicas if level is TopologyLevel.NODE else slots > 0
+    if not useful.any():
+        return None
+    idx, slots = idx[useful], slots[useful]
+    weights = np.minimum(slots, job.replicas).astype(np.float64)
+    if level is TopologyLevel.NODE:
+        # Every remaining node is a feasible domain of its own.
+        score = _scores(cap, job, prefs, cost_sensitivity, idx, weights, None)
+        best = int(np.argmin(score))
+        return _fill(cap, job, idx[best : best + 1], slots[best : best + 1])
+    codes = cap.domains[level][idx]
+    per_domain = np.bincount(codes, weights=weights)
+    feasible = per_domain >= job.replicas - EPS
+    if not feasible.any():
+        return None
+    score = np.where(
+        feasible, _scores(cap, job, prefs, cost_sensitivity, idx, weights, codes), np.inf
+    )
+    # argmin returns the first minimum: the lowest domain code, which is ordered by name.
+    members = codes == int(np.argmin(score))
+    return _fill(cap, job, idx[members], slots[members])
+
+
+def _scores(
+    cap: Capacity,
+    job: JobRequest,
+    prefs: PlacementPreferences,
+    cost_sensitivity: float,
+    idx: IntArray,
+    weights: FloatArray,
+    codes: IntArray | None,
+) -> FloatArray:
+    """Lower is better: effective cost, then fit, then how scarce the domain's cluster is.
+    With `codes` None every node is its own domain and no aggregation is needed."""
+
+    def per_domain(values: FloatArray) -> FloatArray:
+        if codes is None:
+            return values
+        summed: FloatArray = np.bincount(codes, weights=values).astype(np.float64)
+        return summed
+
+    node_cost = cap.effective_cost[idx]
+    cost = per_domain(node_cost * weights) / np.maximum(per_domain(weights), EPS)
+    top_cost = float(node_cost.max())
+    cost_norm = cost / top_cost if top_cost > 0 else np.zeros_like(cost)
+    devices = per_domain(cap.devices[idx].astype(np.float64))
+    leftover = (per_domain(cap.free_total[idx]) - job.total_accelerators) / np.maximum(devices, 1)
+    # Best fit keeps whole nodes and domains free for big gangs; services spread for resilience.
+    fit = 1.0 - leftover if job.kind is WorkloadKind.INFERENCE_SERVICE else leftover
+    if codes is None:
+        domain_cluster = cap.cluster_of[idx]
+    else:
+        domain_cluster = np.zeros(len(cost), dtype=np.int64)
+        domain_cluster[codes] = cap.cluster_of[idx]
+    cluster_share = cap.cluster_free / np.maximum(cap.cluster_devices, 1.0)
+    scarcity = 1.0 - cluster_share[domain_cluster]
+    total: FloatArray = (
+        prefs.cost_weight * cost_sensitivity * cost_norm
+        + prefs.fit_weight * fit
+        + prefs.availability_weight * scarcity
+    )
+    return total
+
+
+def _fill(cap: Capacity, job: JobRequest, members: IntArray, slots: IntArray) -> Plan:
+    free = cap.free_accelerators(members)
+    if job.kind is WorkloadKind.INFERENCE_SERVICE:
+        # Emptiest first, one replica per node per round: a node failure takes few replicas.
+        order = np.lexsort((members, -free))
+        per_round = 1
+    else:
+        # Tightest first, as many as fit: fragments get used before whole nodes.
+        order = np.lexsort((members, free))
+        per_round = job.replicas
+    remaining = job.replicas
+    taken = dict.fromkeys((int(m) for m in members[order]), 0)
+    room = {int(m): int(s) for m, s in zip(members, slots, strict=True)}
+    while remaining > 0:
+        for node in taken:
+            k = min(room[node] - taken[node], per_round, remaining)
+            if k > 0:
+                taken[node] += k
+                remaining -= k
+            if remaining == 0:
+                break
+    chosen = tuple((node, k) for node, k in taken.items() if k > 0)
+    return Plan(cluster=cap.cluster_names[int(cap.cluster_of[chosen[0][0]])], nodes=chosen)
+
+
+def commit(cap: Capacity, job: JobRequest, plan: Plan, now: float) -> Allocation:
+    """Charges the plan to the capacity and returns the allocation to publish."""
+    replicas: list[ReplicaPlacement] = []
+    for node, count in plan.nodes:
+        for _ in range(count):
+            cap.take(node, job.accelerators, job.cpu, job.memory_gb)
+            replicas.append(
+                ReplicaPlacement(
+                    replica=len(replicas),
+                    node_id=cap.nodes[node].node_id,
+                    accelerators=job.accelerators,
+                    cpu=job.cpu,
+                    memory_gb=job.memory_gb,
+                )
+            )
+    return Allocation(job=job, cluster=plan.cluster, replicas=tuple(replicas), start_time=now)
+
+
+def _types_word(job: JobRequest) -> str:
+    return "/".join(job.accelerator_types) if job.accelerator_types else "accelerator"
+
+
+def _miss_without_candidates(
+    cap: Capacity, job: JobRequest, prefs: PlacementPreferences, blocked_holds: frozenset[int]
+) -> Miss:
+    if blocked_holds and _usable_candidates(cap, job, prefs, frozenset()).size > 0:
+        return Miss(
+            ReasonCode.CAPACITY_RESERVED,
+            f"the matching {_types_word(job)} nodes are held for a larger waiting gang",
+        )
+    memory = (
+        f" with at least {job.accelerator_memory_gb:g} GB per device"
+        if job.accelerator_memory_gb is not None
+        else ""
+    )
+    return Miss(
+        ReasonCode.NO_MATCHING_NODES,
+        f"no healthy node offers {_types_word(job)}{memory} to this job",
+    )
+
+
+def explain_miss(
+    cap: Capacity, job: JobRequest, prefs: PlacementPreferences, blocked_holds: frozenset[int]
+) -> Miss:
+    """Why `job` does not fit now: impossible even on an idle fleet, held, or just busy."""
+    level = levels_to_try(job)[-1]
+    word = LEVEL_WORDS[level]
+    empty = _empty_fit(cap, job, level, _spot_ok(job, prefs))
+    if not empty:
+        return Miss(
+            ReasonCode.TOPOLOGY_TOO_SMALL,
+            f"even an empty fleet has no {_types_word(job)} {word} that can hold "
+            f"{job.replicas} x {job.accelerators:g} accelerators",
+        )
+    if blocked_holds and isinstance(find_placement(cap, job, prefs, 0.0), Plan):
+        return Miss(
+            ReasonCode.CAPACITY_RESERVED,
+            f"free {_types_word(job)} capacity is held for a larger gang that is waiting",
+        )
+    shape = "" if job.replicas == 1 else f" ({job.replicas} replicas x {job.accelerators:g})"
+    return Miss(
+        ReasonCode.INSUFFICIENT_CAPACITY,
+        f"no {_types_prefix(job)}{word} with {job.total_accelerators:g} free accelerators{shape}",
+    )
+
+
+def _types_prefix(job: JobRequest) -> str:
+    return f"{'/'.join(job.accelerator_types)} " if job.accelerator_types else ""
+
+
+def _empty_fit(cap: Capacity, job: JobRequest, level: TopologyLevel, spot_ok: bool) -> bool:
+    """Whether the job would fit at `level` if every healthy candidate node were idle."""
+    idx = cap.candidates(job.accelerator_types, job.accelerator_memory_gb, spot_ok)
+    if idx.size == 0:
+        return False
+    per_node = _empty_slots(cap, idx, job)
+    totals = np.bincount(cap.domains[level][idx], weights=per_node)
+    return bool((totals >= job.replicas - EPS).any())
+
+
+def _empty_slots(cap: Capacity, idx: IntArray, job: JobRequest) -> FloatArray:
+    node_cpu = cap.node_cpu[idx]
+    node_mem = cap.node_memory[idx]
+    big = float(1 << 20)
+    slots = np.full(idx.size, big)
+    if job.cpu > 0:
+        slots = np.minimum(slots, np.floor(node_cpu / job.cpu + EPS))
+    if job.memory_gb > 0:
+        slots = np.minimum(slots, np.floor(node_mem / job.memory_gb + EPS))
+    devices = cap.devices[idx].astype(np.float64)
+    if job.accelerators >= 1:
+        slots = np.minimum(slots, np.floor(devices / round(job.accelerators)))
+    elif job.accelerators > 0:
+        slots = np.minimum(slots, devices * np.floor(1.0 / job.accelerators + EPS))
+    result: FloatArray = slots
+    return result

@@ -1,0 +1,238 @@
+"""Discrete-event simulation: a virtual clock over a (time, order, sequence) heap drives the very
+same `core.cycle.decide` the live scheduler uses, with one long-lived `CycleState`.
+
+Events: a job arrives, a running job finishes, a scheduling cycle is due. Cycles run at most
+once per `cycle_interval_s` of virtual time, and only when something changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from core.capacity import EPS
+from core.cycle import CycleState, decide
+from core.fairshare import decay
+from core.model import Allocation, Cluster, ClusterId, JobId, Node, NodeId, Snapshot, TenantId
+from core.policy import OrderingMode, Policy
+from sim.workload import SimJob
+
+
+class EventKind(IntEnum):
+    # Same-time order: finishes free capacity before arrivals and the cycle that sees both.
+    FINISH = 0
+    ARRIVE = 1
+    CYCLE = 2
+
+
+@dataclass
+class JobRecord:
+    job: SimJob
+    remaining_s: float
+    attained: float = 0.0
+    first_start: float | None = None
+    finish: float | None = None
+    run_start: float | None = None
+    preemptions: int = 0
+    epoch: int = 0
+
+
+@dataclass
+class Trace:
+    """Aggregates the simulator keeps while running; `sim.report` turns them into figures."""
+
+    capacity: float
+    busy_integral: float = 0.0
+    backlog_time: float = 0.0
+    backlog_busy_integral: float = 0.0
+    # (hour index) -> accelerator-seconds busy in that hour.
+    hourly_busy: dict[int, float] = field(default_factory=dict)
+    tenant_busy: dict[TenantId, float] = field(default_factory=dict)
+    preemptions: int = 0
+    lost_work: float = 0.0
+    cycles: int = 0
+    overcommit: int = 0
+
+
+class _Attained(Mapping[JobId, float]):
+    """Attained service of every job at the cycle's `now`, computed only when asked for."""
+
+    def __init__(self, records: dict[JobId, JobRecord], now: float) -> None:
+        self._records, self._now = records, now
+
+    def __getitem__(self, job_id: JobId) -> float:
+        rec = self._records[job_id]
+        running = 0.0 if rec.run_start is None else self._now - rec.run_start
+        return rec.attained + running * rec.job.request.total_accelerators
+
+    def __iter__(self) -> Iterator[JobId]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+class Simulation:
+    def __init__(
+        self,
+        clusters: Mapping[ClusterId, Cluster],
+        nodes: Mapping[NodeId, Node],
+        policy: Policy,
+        jobs: list[SimJob],
+        cycle_interval_s: float = 60.0,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.interval = cycle_interval_s
+        self.progress = progress
+        snapshot = Snapshot(clusters=clusters, nodes=nodes, running={}, pending=[])
+        self.state = CycleState.from_snapshot(snapshot, policy)
+        self.records = {j.request.job_id: JobRecord(j, j.duration_s) for j in jobs}
+        self.trace = Trace(capacity=float(sum(n.accelerators for n in nodes.values())))
+        self._heap: list[tuple[float, int, int, JobId, int]] = []
+        self._seq = 0
+        self._now = 0.0
+        self._busy = 0.0
+        self._tenant_rate: dict[TenantId, float] = {}
+        self._usage: dict[TenantId, float] = {}
+        self._usage_at = 0.0
+        # An independent ledger of accelerators per node, to catch over-commit by recount.
+        self._on_node: dict[NodeId, float] = {}
+        self._cycle_due: float | None = None
+        self._last_cycle = -np.inf
+        for j in jobs:
+            self._push(j.request.submit_time, EventKind.ARRIVE, j.request.job_id)
+        self._horizon = max((j.request.submit_time for j in jobs), default=0.0)
+
+    def run(self) -> dict[JobId, JobRecord]:
+        while self._heap:
+            at, kind, _, job_id, epoch = heapq.heappop(self._heap)
+            self._advance(at)
+            if kind == EventKind.ARRIVE:
+                self.state.queues.add(self.records[job_id].job.request)
+                self._want_cycle()
+            elif kind == EventKind.FINISH:
+                if epoch == self.records[job_id].epoch:
+                    self._finish(job_id)
+                    self._want_cycle()
+            else:
+                self._cycle_due = None
+                self._cycle()
+        return self.records
+
+    def _push(self, at: float, kind: EventKind, job_id: JobId, epoch: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, int(kind), self._seq, job_id, epoch))
+
+    def _want_cycle(self) -> None:
+        if self._cycle_due is None:
+            self._cycle_due = max(self._now, self._last_cycle + self.interval)
+            self._push(self._cycle_due, EventKind.CYCLE, JobId(""))
+
+    def _advance(self, at: float) -> None:
+        dt = at - self._now
+        if dt > 0:
+            busy = self._busy * dt
+            self.trace.busy_integral += busy
+            if len(self.state.queues) > 0:
+                self.trace.backlog_time += dt
+                self.trace.backlog_busy_integral += busy
+            self._spread_hourly(self._now, at)
+            for tenant, rate in self._tenant_rate.items():
+                self.trace.tenant_busy[tenant] = self.trace.tenant_busy.get(tenant, 0.0) + rate * dt
+            if self.progress is not None and self._horizon > 0:
+                self.progress(min(at / self._horizon, 1.0))
+        self._now = at
+
+    def _spread_hourly(self, start: float, end: float) -> None:
+        hour = int(start // 3600)
+        while start < end:
+            edge = min(end, (hour + 1) * 3600.0)
+            self.trace.hourly_busy[hour] = self.trace.hourly_busy.get(hour, 0.0) + self._busy * (
+                edge - start
+            )
+            start, hour = edge, hour + 1
+
+    def _cycle(self) -> None:
+        self._last_cycle = self._now
+        self._refresh_usage()
+        for _ in range(2):
+            # A second pass in the same instant lets a preemptor take the room its victims left.
+            if self.policy.ordering is OrderingMode.LAS:
+                self.state.attained = _Attained(self.records, self._now)
+            result = decide(self.state, self.policy, self._now, explain_pending=False)
+            self.trace.cycles += 1
+            for alloc in result.placements:
+                self._start(alloc)
+            victims = [v for p in result.preemptions for v in p.victims]
+            for victim in victims:
+                self._preempt(victim.job_id)
+            if not victims:
+                break
+
+    def _refresh_usage(self) -> None:
+        half_life = self.policy.fair_share.half_life_s
+        elapsed = self._now - self._usage_at
+        self._usage_at = self._now
+        tenants = set(self._usage) | set(self._tenant_rate)
+        for t in tenants:
+            past = decay(self._usage.get(t, 0.0), elapsed, half_life)
+            self._usage[t] = past + self._tenant_rate.get(t, 0.0) * elapsed
+        self.state.shares.set_usage(self._usage)
+
+    def _start(self, alloc: Allocation) -> None:
+        rec = self.records[alloc.job.job_id]
+        rec.run_start = self._now
+        if rec.first_start is None:
+            rec.first_start = self._now
+        node = self.state.cap.nodes[self.state.cap.index[alloc.replicas[0].node_id]]
+        speed = max(node.accelerator.relative_speed, EPS)
+        end = self._now + rec.remaining_s / speed
+        self._push(end, EventKind.FINISH, alloc.job.job_id, rec.epoch)
+        self._account(alloc.job.tenant, alloc.job.total_accelerators)
+        self._ledger(alloc, 1.0)
+
+    def _account(self, tenant: TenantId, accelerators: float) -> None:
+        self._busy += accelerators
+        self._tenant_rate[tenant] = self._tenant_rate.get(tenant, 0.0) + accelerators
+
+    def _finish(self, job_id: JobId) -> None:
+        alloc = self.state.release(job_id)
+        rec = self.records[job_id]
+        rec.finish = self._now
+        rec.attained += (self._now - (rec.run_start or self._now)) * alloc.job.total_accelerators
+        rec.run_start = None
+        rec.remaining_s = 0.0
+        self._account(alloc.job.tenant, -alloc.job.total_accelerators)
+        self._ledger(alloc, -1.0)
+
+    def _preempt(self, job_id: JobId) -> None:
+        alloc = self.state.release(job_id)
+        rec = self.records[job_id]
+        ran = self._now - (rec.run_start or self._now)
+        accelerators = alloc.job.total_accelerators
+        restart = self.policy.preemption.checkpoint_restart_s
+        # The job keeps its progress (checkpoint) but pays a restart before making more.
+        rec.remaining_s = max(rec.remaining_s - ran, 0.0) + restart
+        rec.attained += ran * accelerators
+        rec.run_start = None
+        rec.preemptions += 1
+        rec.epoch += 1
+        self.trace.preemptions += 1
+        self.trace.lost_work += restart * accelerators
+        self._account(alloc.job.tenant, -accelerators)
+        self._ledger(alloc, -1.0)
+        self.state.queues.add(alloc.job, rec.attained)
+
+    def _ledger(self, alloc: Allocation, sign: float) -> None:
+        """Books the allocation per node and counts any node pushed past its devices."""
+        for r in alloc.replicas:
+            amount = self._on_node.get(r.node_id, 0.0) + sign * r.accelerators
+            self._on_node[r.node_id] = amount
+            node = self.state.cap.nodes[self.state.cap.index[r.node_id]]
+            if amount > node.accelerators + EPS:
+                self.trace.overcommit += 1

@@ -1,0 +1,55 @@
+"""The policies a simulation compares, each derived from the one policy file so that only the
+named difference changes: ordering, backfill and preemption."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from core.policy import Backfill, BackfillMode, OrderingMode, Policy, TenantPolicy
+
+VARIANTS = ("fifo", "fifo-backfill", "default", "las")
+
+
+class UnknownVariant(ValueError):
+    pass
+
+
+def variant(base: Policy, name: str) -> Policy:
+    """`base` as the named policy: 'default' is the file itself."""
+    no_preemption = replace(base.preemption, enabled=False)
+    if name == "default":
+        return base
+    if name == "fifo":
+        # Strict FIFO: the head of the line blocks everything behind it.
+        return replace(
+            base,
+            ordering=OrderingMode.FIFO,
+            backfill=replace(base.backfill, mode=BackfillMode.OFF),
+            preemption=no_preemption,
+        )
+    if name == "fifo-backfill":
+        return replace(
+            base,
+            ordering=OrderingMode.FIFO,
+            backfill=replace(base.backfill, mode=BackfillMode.GREEDY),
+            preemption=no_preemption,
+        )
+    if name == "las":
+        # Tiresias-like: least attained service first, preempting the most-served work.
+        return replace(
+            base,
+            ordering=OrderingMode.LAS,
+            backfill=Backfill(mode=BackfillMode.GREEDY),
+            preemption=replace(base.preemption, enabled=True),
+        )
+    raise UnknownVariant(f"unknown policy {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def with_quotas(base: Policy, nominal: Mapping[str, float], cohort: str = "pool") -> Policy:
+    """`base` with one tenant per entry, all in one cohort, each with a nominal quota on any
+    accelerator type; tenants the mapping does not list run on borrowed capacity only."""
+    tenants = dict(base.tenants)
+    for name, amount in sorted(nominal.items()):
+        tenants[name] = TenantPolicy(name=name, cohort=cohort, quotas={"*": amount})
+    return replace(base, tenants=tenants)

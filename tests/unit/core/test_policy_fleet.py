@@ -1,0 +1,109 @@
+"""Parsing the shared policy file and the fleet document."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from core.errors import FleetError, PolicyError
+from core.fleet import load_fleet
+from core.policy import BackfillMode, OrderingMode, Policy
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def test_example_policy_exposes_what_the_queue_validates() -> None:
+    policy = Policy.from_dict(yaml.safe_load((EXAMPLES / "policy.yaml").read_text()))
+    assert set(policy.tenants) >= {"vision", "nlp", "speech", "research", "platform"}
+    for tenant in policy.tenants.values():
+        assert {"default", "batch", "interactive"} <= set(tenant.queues)
+        assert tenant.max_replicas > 0 and tenant.max_accelerators > 0
+    assert set(policy.accelerator_types) >= {"H100", "A100", "L4", "TPU-v5e"}
+    assert policy.priority_classes["high"].preempting
+    assert policy.tenants["research"].nominal("L4") == 16  # the "*" quota applies to any type
+    assert policy.tenants["vision"].nominal("TPU-v5e") == 0  # listed quotas exclude others
+
+
+@pytest.mark.parametrize(
+    ("doc", "fragment"),
+    [
+        ({"tenants": {"a": {"quota": {"H100": 1}}}}, "tenants.a: unknown key"),
+        ({"tenants": {"a": {"quotas": {"H100": "lots"}}}}, "tenants.a.quotas.H100"),
+        ({"tenants": {"a": {"weight": 0}}}, "tenants.a.weight"),
+        ({"ordering": "random"}, "ordering"),
+        ({"backfill": {"mode": "sometimes"}}, "backfill.mode"),
+        ({"priority_classes": [{"name": "x"}]}, "priority_classes[0].rank"),
+        ({"default_priority_class": "nope"}, "default_priority_class"),
+        ({"shedule": {}}, "unknown section"),
+        ({"las": {"thresholds": [10, 5]}}, "las.thresholds"),
+    ],
+)
+def test_bad_policy_names_the_key(doc: dict[str, object], fragment: str) -> None:
+    with pytest.raises(PolicyError, match=None) as error:
+        Policy.from_dict(doc)
+    assert fragment in str(error.value)
+
+
+def test_policy_sections_parse() -> None:
+    policy = Policy.from_dict(
+        {"ordering": "las", "backfill": {"mode": "greedy", "max_reservations": 3}}
+    )
+    assert policy.ordering is OrderingMode.LAS
+    assert policy.backfill.mode is BackfillMode.GREEDY
+    assert policy.backfill.max_reservations == 3
+    assert Policy.default().rank("unknown-class") == Policy.default().rank("normal")
+
+
+def test_fleet_generates_named_nodes_with_topology() -> None:
+    doc = {
+        "clusters": [
+            {
+                "name": "east",
+                "kind": "cloud",
+                "prices": {"H100": {"spot": 1.5}},
+                "node_groups": [
+                    {
+                        "prefix": "h",
+                        "count": 10,
+                        "accelerator_type": "H100",
+                        "nodes_per_rack": 4,
+                        "racks_per_block": 2,
+                        "nvlink_domain_size": 2,
+                        "price_tier": "spot",
+                    },
+                ],
+            }
+        ]
+    }
+    clusters, nodes = load_fleet(doc)
+    assert list(clusters) == ["east"]
+    assert sorted(nodes)[0] == "east-h-0000" and len(nodes) == 10
+    last = nodes["east-h-0009"]  # type: ignore[index]
+    assert (last.rack, last.block, last.nvlink_domain) == ("h-r2", "h-b1", "h-nv4")
+    assert clusters["east"].prices[("H100", last.price_tier)] == 1.5  # type: ignore[index]
+
+
+def test_example_fleet_loads() -> None:
+    policy = Policy.from_dict(yaml.safe_load((EXAMPLES / "policy.yaml").read_text()))
+    clusters, nodes = load_fleet(
+        yaml.safe_load((EXAMPLES / "fleet.yaml").read_text()), policy.accelerator_types
+    )
+    assert len(clusters) == 3 and len(nodes) > 0
+    assert {n.accelerator.type for n in nodes.values()} <= set(policy.accelerator_types)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {},
+        {"clusters": [{"name": "a", "node_groups": [{"count": 1}]}]},
+        {"clusters": [{"name": "a", "node_groups": [{"count": -1, "accelerator_type": "X"}]}]},
+        {"clusters": [{"name": "a", "kind": "moon"}]},
+        {"clusters": [{"name": "a"}, {"name": "a"}]},
+    ],
+)
+def test_bad_fleet_raises(doc: dict[str, object]) -> None:
+    with pytest.raises(FleetError):
+        load_fleet(doc)
