@@ -155,6 +155,15 @@ class NodeHeartbeat(Payload):
     allocated_accelerators: float
 
 
+class PendingExplained(Payload):
+    """Why the scheduler has not placed a job yet; sent when the reason changes."""
+
+    job_id: str
+    codes: list[str]
+    message: str
+    pending_jobs: int = Field(description="How many jobs were waiting in that cycle.")
+
+
 class DeadLetter(Payload):
     source_topic: str
     partition: int

@@ -40,6 +40,7 @@ AUTOSCALE_DECIDED = "autoscale.decided"
 USAGE_TICK = "usage.tick"
 BUDGET_EXCEEDED = "budget.exceeded"
 ALERT_RAISED = "alert.raised"
+SCHEDULING_EXPLAINED = "scheduling.explained"
 DEAD_LETTER = "dead.letter"
 
 _JOB = "job_id"
@@ -178,6 +179,14 @@ TOPICS: tuple[Topic, ...] = (
         "A tenant or project crossed a budget threshold.",
     ),
     Topic(ALERT_RAISED, "subject", 1, "AlertRaised", None, "Something an operator should see."),
+    Topic(
+        SCHEDULING_EXPLAINED,
+        _JOB,
+        4,
+        "PendingExplained",
+        events.PendingExplained,
+        "Why a job is still pending, in codes and a sentence; sent when it changes.",
+    ),
     Topic(
         DEAD_LETTER,
         "source_topic",

@@ -5,14 +5,16 @@ from __future__ import annotations
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from schemas import topics
 from services.common.consumer import OffsetCommitter, Records, consume_batches
 from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import routes, store
+from services.gateway import explain, routes, store
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
+from services.gateway.explain import record_explanations
 from services.gateway.handlers import PROJECTED, Projector
 from services.gateway.settings import GatewaySettings
 
@@ -31,6 +33,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     tokens = load_tokens(settings.auth_file)
     app = create_http_app(runtime, description=DESCRIPTION, version="1")
     app.include_router(routes.router)
+    app.include_router(explain.router)
     holder: dict[str, Projector] = {}
 
     committer = OffsetCommitter()
@@ -38,6 +41,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def handle(records: Records) -> None:
         await holder["projector"].process(records)
 
+    async def explanations(records: Records) -> None:
+        await record_explanations(app.state.gateway.pool, records)
+
+    consume_batches(
+        broker,
+        topics.SCHEDULING_EXPLAINED,
+        group_id=f"{settings.group_id}-explain",
+        settings=settings,
+        handle=explanations,
+        committer=committer,
+    )
     consume_batches(
         broker,
         *PROJECTED,

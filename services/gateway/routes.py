@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
@@ -27,20 +27,13 @@ from services.gateway.api_models import (
     SubmitJob,
     Submitted,
 )
-from services.gateway.auth import Principal, Role, authenticate
+from services.gateway.auth import Principal, Role
 from services.gateway.context import Gateway
+from services.gateway.deps import gateway, principal
 from services.gateway.projection import EventLine, submitted_view
 from services.gateway.watch import event_stream
 
 router = APIRouter(prefix="/v1")
-
-
-def gateway(request: Request) -> Gateway:
-    return request.app.state.gateway  # type: ignore[no-any-return]
-
-
-def principal(request: Request) -> Principal:
-    return authenticate(gateway(request).tokens, request)
 
 
 GatewayDep = Annotated[Gateway, Depends(gateway)]

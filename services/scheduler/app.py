@@ -42,7 +42,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
             wake.set()
 
     feed = Feed(settings.kafka_bootstrap, FEED_TOPICS, settings.fetch_max_wait_ms, on_records)
-    cycle = Cycle(state, policy, broker, metrics, holder, settings.seed)
+    cycle = Cycle(state, policy, broker, metrics, holder, settings.seed, settings.time_scale)
     redis = Redis.from_url(settings.redis_url)
     lease = RedisLease(redis, settings.lease_name, holder, settings.lease_ttl_ms)
 

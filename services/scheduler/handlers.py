@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -13,14 +15,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
 from core.cycle import schedule
-from core.model import JobId
+from core.fairshare import accrue
+from core.model import Allocation, JobId, TenantId
 from core.policy import Policy
+from core.reasons import PendingExplanation
 from schemas import topics
 from schemas.envelope import Envelope
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
     JobQueued,
+    PendingExplained,
     PlacementDecided,
     PlacementRefused,
 )
@@ -30,6 +35,7 @@ from services.scheduler.state import SchedulerState
 
 log = structlog.get_logger()
 PRODUCER = "scheduler"
+EXPLAIN_EVERY_S = 10.0
 
 FEED_TOPICS = (
     topics.CLUSTER_CAPACITY,
@@ -95,6 +101,7 @@ class Cycle:
         metrics: SchedulerMetrics,
         leader: str,
         seed: int,
+        time_scale: float = 1.0,
     ) -> None:
         self.state = state
         self.policy = policy
@@ -102,44 +109,85 @@ class Cycle:
         self.metrics = metrics
         self.leader = leader
         self.rng = random.Random(seed)
-        self.explanations: dict[JobId, Any] = {}
+        self.time_scale = time_scale
+        # What each pending job was last told, so only changes go out.
+        self.told: dict[JobId, tuple[tuple[str, ...], str, float]] = {}
+        self.usage: dict[TenantId, float] = {}
+        self.last_accrual: float | None = None
+
+    def _accrue(self, now: float) -> None:
+        """Decayed past usage per tenant, in fleet (virtual) accelerator-seconds."""
+        elapsed = 0.0 if self.last_accrual is None else max(0.0, now - self.last_accrual)
+        self.last_accrual = now
+        self.usage = accrue(
+            self.usage,
+            self.state.running.values(),
+            elapsed * self.time_scale,
+            self.policy.fair_share.half_life_s,
+        )
 
     async def run_once(self, epoch: int, now: float | None = None) -> int:
         state = self.state
         now = time.time() if now is None else now
         with self.metrics.cycle.time():
             state.dirty = False
-            result = schedule(state.snapshot(), self.policy, now, self.rng)
-            out: list[OutMessage] = []
-            for alloc in result.placements:
-                job_id = alloc.job.job_id
-                queued = state.queued[job_id]
-                node = state.nodes[alloc.replicas[0].node_id]
-                event = placement_event(
-                    alloc,
-                    queued,
-                    attempt=state.next_attempt(job_id),
-                    epoch=epoch,
-                    leader=self.leader,
-                    accelerator_type=node.accelerator.type,
-                )
-                state.on_placed(event, now)
-                env = envelope_for(
-                    "PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant
-                )
-                # Executors skip other clusters' placements by this header, unparsed.
-                out.append(
-                    OutMessage(
-                        topics.PLACEMENT_DECIDED,
-                        job_id,
-                        env,
-                        headers=(("cluster", str(alloc.cluster)),),
-                    )
-                )
-            self.explanations = dict(result.pending)
+            self._accrue(now)
+            snapshot = replace(state.snapshot(), usage=self.usage)
+            result = schedule(snapshot, self.policy, now, self.rng)
+            out = [self._placement(alloc, epoch, now) for alloc in result.placements]
+            placed = len(out)
+            out.extend(self._explanations(result.pending, now))
         if out:
             await publish_all(self.broker, out)
-        self.metrics.placed.inc(len(out))
+        self.metrics.placed.inc(placed)
         self.metrics.pending.set(len(state.pending))
         self.metrics.running.set(len(state.running))
-        return len(out)
+        return placed
+
+    def _placement(self, alloc: Allocation, epoch: int, now: float) -> OutMessage:
+        state = self.state
+        job_id = alloc.job.job_id
+        node = state.nodes[alloc.replicas[0].node_id]
+        event = placement_event(
+            alloc,
+            state.queued[job_id],
+            attempt=state.next_attempt(job_id),
+            epoch=epoch,
+            leader=self.leader,
+            accelerator_type=node.accelerator.type,
+        )
+        state.on_placed(event, now)
+        self.told.pop(job_id, None)
+        env = envelope_for("PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant)
+        # Executors skip other clusters' placements by this header, unparsed.
+        return OutMessage(
+            topics.PLACEMENT_DECIDED, job_id, env, headers=(("cluster", str(alloc.cluster)),)
+        )
+
+    def _explanations(
+        self, pending: Mapping[JobId, PendingExplanation], now: float
+    ) -> list[OutMessage]:
+        """A job's reason goes out when its codes change; a changed sentence with the same
+        codes (e.g. "behind 12 jobs" becoming "behind 11") at most every EXPLAIN_EVERY_S."""
+        out = []
+        for job_id in [j for j in self.told if j not in self.state.pending]:
+            del self.told[job_id]
+        for job_id, why in pending.items():
+            if job_id not in self.state.pending:
+                continue
+            codes = tuple(str(c) for c in why.codes)
+            last = self.told.get(job_id)
+            if (
+                last is not None
+                and last[0] == codes
+                and (last[1] == why.message or now - last[2] < EXPLAIN_EVERY_S)
+            ):
+                continue
+            self.told[job_id] = (codes, why.message, now)
+            event = PendingExplained(
+                job_id=job_id, codes=list(codes), message=why.message, pending_jobs=len(pending)
+            )
+            tenant = self.state.pending[job_id].tenant
+            env = envelope_for("PendingExplained", event, producer=PRODUCER, tenant=tenant)
+            out.append(OutMessage(topics.SCHEDULING_EXPLAINED, job_id, env))
+        return out

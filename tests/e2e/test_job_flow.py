@@ -271,6 +271,14 @@ async def test_cancel_works_while_queued_and_while_running(client: httpx.AsyncCl
             break
         await asyncio.sleep(0.2)
     assert state == "running"
+    why = {}
+    for _ in range(50):
+        why = (await client.get(f"/v1/jobs/{stuck}/explain", headers=vision)).json()
+        if why["codes"] != ["awaiting_cycle"]:
+            break
+        await asyncio.sleep(0.2)
+    assert why["state"] == "queued" and why["codes"] != ["awaiting_cycle"], why
+    assert "H100" in why["message"], why
     for job_id in (stuck, long):
         assert (await client.delete(f"/v1/jobs/{job_id}", headers=vision)).status_code == 202
     done = await wait_terminal(client, [stuck, long], timeout_s=30)

@@ -1,0 +1,91 @@
+"""Why a job is where it is: the scheduler's explanation while it waits, its state otherwise."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+from aiokafka import ConsumerRecord
+from fastapi import APIRouter, Depends, HTTPException
+from pydantic import BaseModel, ValidationError
+
+from schemas.events import PendingExplained
+from schemas.job import JobState
+from services.common.deadletter import decode_envelopes
+from services.gateway import store
+from services.gateway.auth import Principal
+from services.gateway.context import Gateway
+from services.gateway.deps import gateway, principal
+
+router = APIRouter(prefix="/v1")
+
+
+class Explanation(BaseModel):
+    job_id: str
+    state: str
+    codes: list[str]
+    message: str
+    pending_jobs: int | None = None
+    at: datetime | None = None
+
+
+async def record_explanations(
+    pool: asyncpg.Pool, records: tuple[ConsumerRecord[Any, Any], ...]
+) -> None:
+    """Keep the newest explanation per job (replays and reordering cannot roll it back)."""
+    received, _ = decode_envelopes(records, consumer="gateway")
+    rows = {}
+    for got in received:
+        try:
+            p = PendingExplained.model_validate(got.envelope.payload)
+        except ValidationError:
+            continue
+        rows[p.job_id] = (p.job_id, p.codes, p.message, p.pending_jobs, got.envelope.occurred_at)
+    if rows:
+        await pool.executemany(
+            "INSERT INTO gateway.explanations (job_id, codes, message, pending_jobs, at)"
+            " VALUES ($1, $2, $3, $4, $5) ON CONFLICT (job_id) DO UPDATE SET"
+            " codes = EXCLUDED.codes, message = EXCLUDED.message,"
+            " pending_jobs = EXCLUDED.pending_jobs, at = EXCLUDED.at"
+            " WHERE gateway.explanations.at <= EXCLUDED.at",
+            list(rows.values()),
+        )
+
+
+@router.get("/jobs/{job_id}/explain", response_model=Explanation)
+async def explain_job(
+    job_id: str, gw: Gateway = Depends(gateway), who: Principal = Depends(principal)
+) -> Explanation:
+    row = await store.get_job(gw.pool, job_id)
+    if row is None or not who.can_read(row["tenant"]):
+        raise HTTPException(404, detail=f"no job {job_id} visible to this token")
+    state = JobState(row["state"])
+    if state in (JobState.SUBMITTED, JobState.QUEUED):
+        why = await gw.pool.fetchrow(
+            "SELECT codes, message, pending_jobs, at FROM gateway.explanations WHERE job_id = $1",
+            job_id,
+        )
+        if why is None:
+            return Explanation(
+                job_id=job_id,
+                state=state.value,
+                codes=["awaiting_cycle"],
+                message="Waiting for the scheduler's next cycle to consider it.",
+            )
+        return Explanation(job_id=job_id, state=state.value, **dict(why))
+    if state.terminal:
+        code = row["reason_code"] or state.value
+        return Explanation(
+            job_id=job_id,
+            state=state.value,
+            codes=[code],
+            message=row["message"] or f"The job {state.value}.",
+        )
+    nodes = ", ".join(row["nodes"] or [])
+    return Explanation(
+        job_id=job_id,
+        state=state.value,
+        codes=[state.value],
+        message=f"{state.value.capitalize()} on {row['cluster']}: {nodes}.",
+    )
