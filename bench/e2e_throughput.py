@@ -27,10 +27,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import describe, percentile  # noqa: E402
-from schemas import topics  # noqa: E402
-from schemas.envelope import Envelope  # noqa: E402
-from schemas.ids import new_id  # noqa: E402
+from bench.machine import describe, percentile
+from schemas import topics
+from schemas.envelope import Envelope
+from schemas.ids import new_id
 
 TENANTS = ("vision", "nlp", "speech")
 TOKENS = {"vision": "dev-vision", "nlp": "dev-nlp", "speech": "dev-speech"}
