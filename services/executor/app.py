@@ -9,22 +9,21 @@ from fastapi import FastAPI
 
 from core.fleet import load_fleet
 from schemas import topics
+from services.common.bootstrap import open_outboxed
 from services.common.consumer import OffsetCommitter, Records, consume_batches
-from services.common.db import create_pool
 from services.common.kafka import (
     OutMessage,
     envelope_for,
     make_broker,
     publish_all,
 )
-from services.common.outbox import OutboxRelay
 from services.common.policyfile import load_policy, read_yaml
 from services.common.runtime import Runtime, create_http_app
 from services.executor.fleetinfo import capacity_event, heartbeats
 from services.executor.handlers import Executor, ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.settings import ExecutorSettings
-from services.executor.store import ExecutorStore
+from services.executor.store import MIGRATIONS, ExecutorStore, schema_for
 
 NAME = "executor"
 
@@ -97,12 +96,10 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
 
     @runtime.on_startup
     async def start() -> None:
-        pool = await create_pool(settings.database_url, settings.db_pool_size)
+        pool, relay = await open_outboxed(
+            runtime, broker, committer, schema=schema_for(cluster_name), migrations=MIGRATIONS
+        )
         store = ExecutorStore(pool, cluster_name)
-        await store.migrate()
-        await broker.connect()
-        relay = OutboxRelay(pool, broker, store.schema)
-        await relay.flush()
         executor = Executor(
             cluster_name,
             book,
@@ -114,18 +111,9 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         )
         await executor.restore()
         state["executor"] = executor
-        runtime.background(relay.run_forever)
-        runtime.background(committer.run_forever)
         runtime.background(finish_loop)
         runtime.background(announce_loop)
         await broker.start()
-
-        async def close() -> None:
-            await committer.flush()
-            await broker.stop()
-            await pool.close()
-
-        runtime.on_shutdown(close)
 
     app = create_http_app(runtime)
     app.state.runtime = runtime

@@ -11,7 +11,6 @@ from pathlib import Path
 import asyncpg
 
 from schemas.events import ReplicaAssignment
-from services.common.db import migrate
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -42,9 +41,6 @@ class ExecutorStore:
     def __init__(self, pool: asyncpg.Pool, cluster: str) -> None:
         self.pool = pool
         self.schema = schema_for(cluster)
-
-    async def migrate(self) -> None:
-        await migrate(self.pool, self.schema, MIGRATIONS)
 
     async def load(self) -> tuple[list[RunningJob], int, set[str]]:
         s = self.schema

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from services.common.bootstrap import open_outboxed
 from services.common.consumer import OffsetCommitter, Records, consume_batches
-from services.common.db import create_pool
 from services.common.kafka import make_broker
-from services.common.outbox import OutboxRelay
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
 from services.queue import store
@@ -52,22 +51,11 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
 
     @runtime.on_startup
     async def start() -> None:
-        pool = await create_pool(settings.database_url, settings.db_pool_size)
-        await store.migrate_queue(pool)
-        await broker.connect()
-        relay = OutboxRelay(pool, broker, store.SCHEMA)
-        await relay.flush()  # anything a crash left behind goes out before new work
+        pool, relay = await open_outboxed(
+            runtime, broker, committer, schema=store.SCHEMA, migrations=store.MIGRATIONS
+        )
         state["processor"] = QueueProcessor(pool, relay, policy, metrics)
-        runtime.background(relay.run_forever)
-        runtime.background(committer.run_forever)
         await broker.start()
-
-        async def close() -> None:
-            await committer.flush()
-            await broker.stop()
-            await pool.close()
-
-        runtime.on_shutdown(close)
 
     app = create_http_app(runtime)
     app.state.runtime = runtime

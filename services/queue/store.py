@@ -9,7 +9,6 @@ from pathlib import Path
 import asyncpg
 
 from schemas.job import JobSpec, JobState
-from services.common.db import migrate
 from services.queue.lifecycle import HistoryEntry, JobRecord
 
 SCHEMA = "queue"
@@ -19,10 +18,6 @@ _COLUMNS = (
     "job_id, tenant, state, attempt, cluster, cancel_requested, reason_code, message, "
     "submitted_at, updated_at"
 )
-
-
-async def migrate_queue(pool: asyncpg.Pool) -> list[str]:
-    return await migrate(pool, SCHEMA, MIGRATIONS)
 
 
 def _record(row: asyncpg.Record) -> JobRecord:

@@ -1,0 +1,43 @@
+"""Start-up every outboxed service shares: its pool and migrated schema, the broker, the relay
+(which first publishes whatever a crash left in the outbox) and the offset committer, with
+their shutdown in the right order (commit, then stop consuming, then close the pool)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import asyncpg
+from faststream.kafka import KafkaBroker
+
+from services.common.consumer import OffsetCommitter
+from services.common.db import create_pool, migrate
+from services.common.outbox import OutboxRelay
+from services.common.runtime import Runtime
+
+
+async def open_outboxed(
+    runtime: Runtime,
+    broker: KafkaBroker,
+    committer: OffsetCommitter,
+    *,
+    schema: str,
+    migrations: Path,
+) -> tuple[asyncpg.Pool, OutboxRelay]:
+    """Call from a start-up hook, before the service's own initialisation; start the broker
+    (`await broker.start()`) once that is done."""
+    settings = runtime.settings
+    pool = await create_pool(settings.database_url, settings.db_pool_size)
+    await migrate(pool, schema, migrations)
+    await broker.connect()
+    relay = OutboxRelay(pool, broker, schema)
+    await relay.flush()  # anything a crash left behind goes out before new work
+    runtime.background(relay.run_forever)
+    runtime.background(committer.run_forever)
+
+    async def close() -> None:
+        await committer.flush()
+        await broker.stop()
+        await pool.close()
+
+    runtime.on_shutdown(close)
+    return pool, relay
