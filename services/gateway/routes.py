@@ -93,7 +93,12 @@ async def submit_job(
         return Submitted(
             job_id=existing, state=row["state"] if row else "submitted", duplicate=True
         )
-    await publish_all(gw.broker, [OutMessage(topics.JOB_SUBMITTED, job_id, env)])
+    try:
+        await publish_all(gw.broker, [OutMessage(topics.JOB_SUBMITTED, job_id, env)])
+    except Exception as exc:
+        # Nothing was submitted: forget the read-model row so the id does not linger.
+        await store.forget(gw.pool, job_id)
+        raise HTTPException(503, detail="the job log is unavailable; retry shortly") from exc
     return Submitted(job_id=job_id, state=JobState.SUBMITTED.value)
 
 

@@ -138,6 +138,12 @@ async def insert_submitted(pool: asyncpg.Pool, view: JobView, line: EventLine) -
     return None
 
 
+async def forget(pool: asyncpg.Pool, job_id: str) -> None:
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("DELETE FROM gateway.job_events WHERE job_id = $1", job_id)
+        await conn.execute("DELETE FROM gateway.jobs WHERE job_id = $1", job_id)
+
+
 async def get_job(pool: asyncpg.Pool, job_id: str) -> asyncpg.Record | None:
     return await pool.fetchrow(
         'SELECT job_id, tenant, project, "user", queue, name, state, reason_code, message,'

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -12,6 +11,7 @@ from services.gateway.context import Gateway
 from services.gateway.handlers import feed_channel
 
 TERMINAL = {s.value for s in JobState if s.terminal}
+KEEP_ALIVE_EVERY_S = 15
 
 
 def _sse(item: dict[str, object]) -> str:
@@ -37,8 +37,8 @@ async def event_stream(gw: Gateway, job_id: str) -> AsyncIterator[str]:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if msg is None:
                 idle += 1.0
-                yield ": keep-alive\n\n"
-                await asyncio.sleep(0)
+                if idle % KEEP_ALIVE_EVERY_S == 0:  # proxies close silent streams
+                    yield ": keep-alive\n\n"
                 continue
             idle = 0.0
             item = json.loads(msg["data"])
