@@ -30,7 +30,8 @@ async def collect(
     count: int,
     timeout_s: float = 60.0,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """Read the topics from the start until `count` kept envelopes arrived (or time is up)."""
+    """Read the topics from the start until `count` distinct kept envelopes arrived (or time
+    is up)."""
     consumer = AIOKafkaConsumer(
         *topics,
         bootstrap_servers=bootstrap,
@@ -40,6 +41,7 @@ async def collect(
     )
     await consumer.start()
     found: list[tuple[str, dict[str, Any]]] = []
+    seen: set[str] = set()  # at-least-once: the same event may be on a topic twice
     try:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while len(found) < count and asyncio.get_running_loop().time() < deadline:
@@ -47,6 +49,9 @@ async def collect(
             for records in batches.values():
                 for r in records:
                     env = json.loads(r.value)
+                    if env.get("event_id") in seen:
+                        continue
+                    seen.add(env.get("event_id"))
                     if keep(r.topic, env):
                         found.append((r.topic, env))
     finally:
