@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from schemas import events
+from schemas import events, health
 from schemas.job import JobSpec
 
 
@@ -146,13 +146,25 @@ TOPICS: tuple[Topic, ...] = (
         "node_id",
         4,
         "NodeProbe",
-        None,
+        health.NodeProbe,
         "Hardware signals from a node (XID, ECC, thermal, NVLink).",
     ),
     Topic(
-        NODE_UNHEALTHY, "node_id", 2, "NodeUnhealthy", None, "A node was taken out of scheduling."
+        NODE_UNHEALTHY,
+        "node_id",
+        2,
+        "NodeUnhealthy",
+        health.NodeUnhealthy,
+        "A node was taken out of scheduling.",
     ),
-    Topic(NODE_RECOVERED, "node_id", 2, "NodeRecovered", None, "A node came back into scheduling."),
+    Topic(
+        NODE_RECOVERED,
+        "node_id",
+        2,
+        "NodeRecovered",
+        health.NodeRecovered,
+        "A node came back into scheduling.",
+    ),
     Topic(
         CLUSTER_CAPACITY,
         "cluster",
@@ -178,7 +190,14 @@ TOPICS: tuple[Topic, ...] = (
         None,
         "A tenant or project crossed a budget threshold.",
     ),
-    Topic(ALERT_RAISED, "subject", 1, "AlertRaised", None, "Something an operator should see."),
+    Topic(
+        ALERT_RAISED,
+        "subject",
+        1,
+        "AlertRaised",
+        health.AlertRaised,
+        "Something an operator should see.",
+    ),
     Topic(
         SCHEDULING_EXPLAINED,
         _JOB,

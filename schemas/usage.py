@@ -7,12 +7,18 @@ wall-clock second); on a real cluster the two are the same. Timestamps are wall-
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from pydantic import Field
 
 from schemas.events import Payload
+
+
+def budget_month(at: datetime) -> str:
+    """The calendar month (UTC) a budget counts an instant in: 'YYYY-MM'."""
+    at = at.astimezone(UTC) if at.tzinfo else at
+    return f"{at.year:04d}-{at.month:02d}"
 
 
 class TickKind(StrEnum):

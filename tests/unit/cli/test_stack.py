@@ -27,7 +27,14 @@ def test_one_executor_per_cluster_of_the_fleet(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text("clusters:\n  - name: a\n  - name: b/c\n")
     plan = service_plan(tmp_path, 8123, cluster_names(fleet))
-    assert [s.name for s in plan] == ["gateway", "queue", "scheduler", "executor-a", "executor-b_c"]
+    assert [s.name for s in plan] == [
+        "gateway",
+        "queue",
+        "scheduler",
+        "health",
+        "executor-a",
+        "executor-b_c",
+    ]
     assert plan[0].port == 8123 and len({s.port for s in plan}) == len(plan)
     assert plan[-1].extra_env == {"QM_EXECUTOR_CLUSTER": "b/c"}
     assert plan[-1].log == tmp_path / "executor-b_c.log"
@@ -210,7 +217,7 @@ def test_stack_starts_records_and_stops_everything(
     try:
         record = json.loads((tmp_path / "st" / "stack.json").read_text())
         assert record["ready"] and record["token"] == "dev-vision"
-        assert len(record["services"]) == 3 + len(cluster_names(EXAMPLES / "fleet.yaml"))
+        assert len(record["services"]) == 4 + len(cluster_names(EXAMPLES / "fleet.yaml"))
         assert {s["name"]: s["how"] for s in record["servers"]}["postgres"] == "env"
         assert stack.alive()
     finally:

@@ -1,0 +1,98 @@
+"""The health service: judges nodes from heartbeats, probes and inventories; quarantines and
+recovers them with hysteresis; raises one alert per incident.
+
+It runs as a single instance: the silence check covers every node, so two replicas sharing
+the heartbeat partitions would each declare the other's nodes dark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+from fastapi import FastAPI
+
+from schemas.ids import new_id
+from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.db import create_pool
+from services.common.kafka import make_broker
+from services.common.outbox import OutboxRelay
+from services.common.policyfile import read_yaml
+from services.common.runtime import Runtime, create_http_app
+from services.health import store
+from services.health.handlers import HealthMetrics, HealthMonitor
+from services.health.intake import TOPICS
+from services.health.rules import HealthRules
+from services.health.settings import HealthSettings
+
+NAME = "health"
+
+
+def load_rules(settings: HealthSettings) -> HealthRules:
+    rules = HealthRules.from_dict(read_yaml(settings.health_file))
+    return rules.with_timings(
+        suspect_after_s=settings.suspect_after_s,
+        unhealthy_after_s=settings.unhealthy_after_s,
+        min_quarantine_s=settings.min_quarantine_s,
+        clean_period_s=settings.clean_period_s,
+    )
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def create_app(settings: HealthSettings | None = None) -> FastAPI:
+    settings = settings or HealthSettings()
+    runtime = Runtime(NAME, settings)
+    broker = make_broker(settings, NAME, runtime.registry)
+    rules = load_rules(settings)
+    metrics = HealthMetrics(runtime.registry)
+    state: dict[str, HealthMonitor] = {}
+    committer = OffsetCommitter()
+
+    async def handle(records: Records) -> None:
+        await state["monitor"].process(records)
+
+    consume_batches(
+        broker,
+        *TOPICS,
+        group_id=settings.group_id,
+        settings=settings,
+        handle=handle,
+        committer=committer,
+    )
+
+    async def check_loop() -> None:
+        while True:
+            await asyncio.sleep(settings.check_interval_s)
+            await state["monitor"].check()
+
+    @runtime.on_startup
+    async def start() -> None:
+        pool = await create_pool(settings.database_url, settings.db_pool_size)
+        await store.migrate_health(pool)
+        await broker.connect()
+        relay = OutboxRelay(pool, broker, store.SCHEMA)
+        await relay.flush()  # anything a crash left behind goes out before new work
+        book = await store.load_book(pool)
+        state["monitor"] = HealthMonitor(
+            pool, relay, book, rules, metrics, clock=utcnow, new_id=new_id
+        )
+        runtime.background(relay.run_forever)
+        runtime.background(committer.run_forever)
+        runtime.background(check_loop)
+        await broker.start()
+
+        async def close() -> None:
+            await committer.flush()
+            await broker.stop()
+            await pool.close()
+
+        runtime.on_shutdown(close)
+
+    app = create_http_app(runtime)
+    app.state.runtime = runtime
+    app.state.broker = broker
+    app.state.monitor = state
+    return app

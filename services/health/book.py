@@ -1,0 +1,309 @@
+"""The fleet's health and its open incidents, and the pure decisions over them: what a batch of
+heartbeats, probes and inventories changes, and what a periodic check (silence, recovery)
+changes. Decisions come back as `Changes` (data); the service persists and announces them.
+
+Incidents make "one alert per incident, not per probe": a quarantine opens an incident and
+raises its one alert; later signals only bump its count. A whole cluster going dark is one
+cluster incident shared by all its nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from schemas.health import Severity, SignalKind
+from services.health import machine
+from services.health.machine import NodeHealth, Signal, Verdict
+from services.health.rules import HEARTBEAT_LOST, HealthRules
+
+IdFactory = Callable[[], str]
+
+
+@dataclass(frozen=True)
+class Incident:
+    incident_id: str  # also the alert id
+    subject: str  # node id, or cluster name for a cluster incident
+    cluster: str
+    node_id: str | None
+    cause: str
+    severity: Severity
+    suggested_action: str
+    first_seen: datetime
+    last_seen: datetime
+    count: int
+    closed_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Beat:
+    node_id: str
+    cluster: str
+    at: datetime
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A probe as the decisions need it (converted from the wire model at the edge)."""
+
+    node_id: str
+    cluster: str
+    kind: SignalKind
+    xid: int | None
+    device: int | None
+    detail: str
+    at: datetime
+
+    def label(self) -> str:
+        parts = [self.kind.value]
+        if self.xid is not None:
+            parts.append(f"xid={self.xid}")
+        if self.device is not None:
+            parts.append(f"device={self.device}")
+        if self.detail:
+            parts.append(f"({self.detail})")
+        return f"{' '.join(parts)} at {self.at.isoformat()}"
+
+
+@dataclass(frozen=True)
+class Unhealthy:
+    node: NodeHealth
+    signals: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Recovered:
+    node: NodeHealth  # as it was while quarantined
+    incident: Incident
+    at: datetime
+
+
+@dataclass
+class Changes:
+    nodes: dict[str, NodeHealth] = field(default_factory=dict)
+    incidents: dict[str, Incident] = field(default_factory=dict)
+    unhealthy: list[Unhealthy] = field(default_factory=list)
+    recovered: list[Recovered] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)  # incident ids that raise their alert
+
+    def __bool__(self) -> bool:
+        return bool(self.nodes or self.incidents)
+
+
+@dataclass
+class HealthBook:
+    """Every known node and the open incidents: the service's in-memory view of its store."""
+
+    nodes: dict[str, NodeHealth] = field(default_factory=dict)
+    incidents: dict[str, Incident] = field(default_factory=dict)
+
+    def apply(self, changes: Changes) -> None:
+        self.nodes.update(changes.nodes)
+        for inc in changes.incidents.values():
+            if inc.closed_at is None:
+                self.incidents[inc.incident_id] = inc
+            else:
+                self.incidents.pop(inc.incident_id, None)
+
+
+class Draft:
+    """Changes being decided over a book: reads see earlier decisions of the same batch."""
+
+    def __init__(self, book: HealthBook, rules: HealthRules, new_id: IdFactory) -> None:
+        self.book = book
+        self.rules = rules
+        self.new_id = new_id
+        self.changes = Changes()
+
+    def node(self, node_id: str) -> NodeHealth | None:
+        return self.changes.nodes.get(node_id) or self.book.nodes.get(node_id)
+
+    def put(self, node: NodeHealth) -> None:
+        if self.node(node.node_id) != node:
+            self.changes.nodes[node.node_id] = node
+
+    def incident(self, incident_id: str | None) -> Incident | None:
+        if incident_id is None:
+            return None
+        return self.changes.incidents.get(incident_id) or self.book.incidents.get(incident_id)
+
+    def put_incident(self, incident: Incident) -> None:
+        self.changes.incidents[incident.incident_id] = incident
+
+    def all_nodes(self) -> list[NodeHealth]:
+        ids = sorted({*self.book.nodes, *self.changes.nodes})
+        return [n for n in (self.node(i) for i in ids) if n is not None]
+
+    def open_incident(
+        self,
+        subject: str,
+        node: NodeHealth,
+        cause: str,
+        severity: Severity,
+        action: str,
+        *,
+        now: datetime,
+        count: int,
+        node_id: str | None,
+    ) -> Incident:
+        inc = Incident(
+            self.new_id(), subject, node.cluster, node_id, cause, severity, action, now, now, count
+        )
+        self.put_incident(inc)
+        self.changes.alerts.append(inc.incident_id)
+        return inc
+
+
+def heartbeats_seen(draft: Draft, beats: Iterable[Beat]) -> None:
+    for beat in beats:
+        node = draft.node(beat.node_id) or NodeHealth(beat.node_id, beat.cluster)
+        draft.put(machine.heartbeat(node, beat.at, draft.rules.timings))
+
+
+def inventory_seen(draft: Draft, cluster: str, node_ids: Iterable[str], at: datetime) -> None:
+    """Nodes an executor lists are watched from now on, even if they never heartbeat."""
+    for node_id in node_ids:
+        if draft.node(node_id) is None:
+            draft.put(NodeHealth(node_id, cluster, last_heard=at))
+
+
+def probes_seen(draft: Draft, probes: Iterable[Seen], now: datetime) -> int:
+    """Judge each probe; returns how many matched no rule (ignored, and counted by the shell)."""
+    unmatched = 0
+    for seen in probes:
+        rule = draft.rules.match(seen.kind, seen.xid)
+        if rule is None:
+            unmatched += 1
+            continue
+        # A probe proves the node is up even if its heartbeats have not reached us yet.
+        node = draft.node(seen.node_id) or NodeHealth(
+            seen.node_id, seen.cluster, last_heard=seen.at
+        )
+        signal = Signal(rule.name, seen.at, seen.label())
+        node, verdict, behind = machine.probe(node, rule, signal, now)
+        if verdict == Verdict.QUARANTINE:
+            inc = draft.open_incident(
+                node.node_id,
+                node,
+                rule.name,
+                rule.severity,
+                rule.suggested_action,
+                now=now,
+                count=len(behind),
+                node_id=node.node_id,
+            )
+            node = replace(node, incident_id=inc.incident_id)
+            draft.changes.unhealthy.append(Unhealthy(node, tuple(s.label for s in behind)))
+        elif verdict == Verdict.COUNTED:
+            counted = draft.incident(node.incident_id)
+            # A cluster incident counts dark nodes, not probes.
+            if counted is not None and counted.node_id is not None:
+                draft.put_incident(replace(counted, count=counted.count + 1, last_seen=now))
+        draft.put(node)
+    return unmatched
+
+
+def check(draft: Draft, now: datetime, watch_from: datetime | None) -> None:
+    """The periodic pass: silence first (grouped by cluster), then recoveries. Without a
+    `watch_from` (nothing consumed yet) silence is not judged: every heartbeat would look
+    old to a service still joining its consumer group."""
+    if watch_from is not None:
+        _silences(draft, now, watch_from)
+    _recoveries(draft, now)
+
+
+def _silences(draft: Draft, now: datetime, watch_from: datetime) -> None:
+    t = draft.rules.timings
+    went_dark: dict[str, list[NodeHealth]] = {}
+    for node in draft.all_nodes():
+        after, verdict = machine.silence(node, now, watch_from, t)
+        if verdict == Verdict.QUARANTINE:
+            went_dark.setdefault(after.cluster, []).append(after)
+        else:
+            draft.put(after)
+    members: dict[str, list[NodeHealth]] = {}
+    for node in draft.all_nodes():
+        members.setdefault(node.cluster, []).append(node)
+    for cluster, dark in sorted(went_dark.items()):
+        inc = _cluster_incident(draft, cluster)
+        all_dark = all(
+            machine.silent_for(m, now, watch_from) >= t.suspect_after_s for m in members[cluster]
+        )
+        if inc is None and all_dark and len(members[cluster]) >= t.cluster_min_nodes:
+            inc = draft.open_incident(
+                cluster,
+                dark[0],
+                HEARTBEAT_LOST,
+                draft.rules.silence_severity,
+                draft.rules.cluster_silence_action,
+                now=now,
+                count=0,
+                node_id=None,
+            )
+        for node in dark:
+            if inc is not None:  # one cluster incident: nodes join it without alerts
+                inc = replace(inc, count=inc.count + 1, last_seen=now)
+                draft.put_incident(inc)
+                own = inc
+            else:
+                own = draft.open_incident(
+                    node.node_id,
+                    node,
+                    HEARTBEAT_LOST,
+                    draft.rules.silence_severity,
+                    draft.rules.silence_action,
+                    now=now,
+                    count=1,
+                    node_id=node.node_id,
+                )
+            node = replace(node, incident_id=own.incident_id)
+            draft.put(node)
+            last = node.last_heard.isoformat() if node.last_heard else "never"
+            draft.changes.unhealthy.append(Unhealthy(node, (f"no heartbeat since {last}",)))
+
+
+def _cluster_incident(draft: Draft, cluster: str) -> Incident | None:
+    found = [
+        inc
+        for inc in (*draft.book.incidents.values(), *draft.changes.incidents.values())
+        if inc.node_id is None and inc.cluster == cluster and inc.closed_at is None
+    ]
+    return draft.incident(max(found, key=lambda i: i.first_seen).incident_id) if found else None
+
+
+def _recoveries(draft: Draft, now: datetime) -> None:
+    nodes = draft.all_nodes()
+    for node in nodes:
+        if not machine.recoverable(node, now, draft.rules):
+            continue
+        inc = draft.incident(node.incident_id)
+        draft.put(machine.recover(node))
+        if inc is None:
+            # Only an inconsistent store gets here; the node still deserves to come back.
+            inc = _orphan_incident(node, now)
+        elif inc.node_id is not None or not any(
+            (n := draft.node(other.node_id)) is not None and n.incident_id == inc.incident_id
+            for other in nodes
+        ):
+            # A node incident ends with its node; a cluster incident with its last node.
+            inc = replace(inc, closed_at=now)
+            draft.put_incident(inc)
+        draft.changes.recovered.append(Recovered(node, inc, now))
+
+
+def _orphan_incident(node: NodeHealth, now: datetime) -> Incident:
+    since = node.quarantined_at or now
+    return Incident(
+        node.incident_id or "unknown",
+        node.node_id,
+        node.cluster,
+        node.node_id,
+        node.cause or "unknown",
+        Severity.INFO,
+        "",
+        since,
+        since,
+        0,
+        closed_at=now,
+    )

@@ -1,0 +1,133 @@
+"""The health service's shell: read a batch (or the clock), decide with services.health.book,
+then write state, incidents and the announcing events in one transaction, then relay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+from aiokafka import ConsumerRecord
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.common.kafka import OutMessage
+from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
+from services.health import store
+from services.health.book import (
+    Changes,
+    Draft,
+    HealthBook,
+    IdFactory,
+    check,
+    heartbeats_seen,
+    inventory_seen,
+    probes_seen,
+)
+from services.health.emit import messages_for
+from services.health.intake import read_batch
+from services.health.machine import NodeState
+from services.health.rules import HealthRules
+
+Clock = Callable[[], datetime]
+
+
+class HealthMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.unhealthy = Counter(
+            "qm_health_nodes_quarantined_total", "Nodes taken out", ["cause"], registry=registry
+        )
+        self.recovered = Counter(
+            "qm_health_nodes_recovered_total", "Nodes put back", registry=registry
+        )
+        self.alerts = Counter("qm_health_alerts_total", "Alerts raised", registry=registry)
+        self.unmatched = Counter(
+            "qm_health_probes_unmatched_total", "Probes no rule matched", registry=registry
+        )
+        self.dead = Counter(
+            "qm_health_dead_letters_total", "Records dead-lettered", registry=registry
+        )
+        self.states = Gauge("qm_health_nodes", "Known nodes by state", ["state"], registry=registry)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        relay: OutboxRelay,
+        book: HealthBook,
+        rules: HealthRules,
+        metrics: HealthMetrics,
+        *,
+        clock: Clock,
+        new_id: IdFactory,
+    ) -> None:
+        self.pool = pool
+        self.relay = relay
+        self.book = book
+        self.rules = rules
+        self.metrics = metrics
+        self.clock = clock
+        self.new_id = new_id
+        # Silence is counted from the first batch consumed, not from start-up: until the
+        # consumer has joined its group and caught up, every heartbeat looks old.
+        self.watch_from: datetime | None = None
+        # Batches and the periodic check both decide over the same book: one at a time.
+        self._lock = asyncio.Lock()
+
+    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Changes:
+        async with self._lock:
+            now = self.clock()
+            if self.watch_from is None:
+                self.watch_from = now
+            batch = read_batch(records, now)
+            probes = {eid: seen for eid, seen in batch.probes}  # a batch may repeat a record
+            async with self.pool.acquire() as conn, conn.transaction():
+                fresh = await claim_events(conn, store.SCHEMA, list(probes))
+                draft = Draft(self.book, self.rules, self.new_id)
+                for inv in batch.inventories:
+                    inventory_seen(draft, inv.cluster, inv.node_ids, inv.at)
+                heartbeats_seen(draft, batch.beats)
+                unmatched = probes_seen(
+                    draft, [s for eid, s in probes.items() if eid in fresh], now
+                )
+                staged = await self._write(conn, draft.changes, batch.dead)
+            self._committed(draft.changes, staged)
+            self.metrics.unmatched.inc(unmatched)
+            self.metrics.dead.inc(len(batch.dead))
+            return draft.changes
+
+    async def check(self) -> Changes:
+        """Silence and recovery: decided on the clock, not on any event."""
+        async with self._lock:
+            draft = Draft(self.book, self.rules, self.new_id)
+            check(draft, self.clock(), self.watch_from)
+            if draft.changes:
+                async with self.pool.acquire() as conn, conn.transaction():
+                    staged = await self._write(conn, draft.changes, [])
+                self._committed(draft.changes, staged)
+            return draft.changes
+
+    async def _write(
+        self, conn: asyncpg.Connection, changes: Changes, dead: list[OutMessage]
+    ) -> Staged:
+        await store.save(conn, changes)
+        return await add_to_outbox(conn, store.SCHEMA, [*dead, *messages_for(changes)])
+
+    def _committed(self, changes: Changes, staged: Staged) -> None:
+        # Memory follows the store only after the commit: a failed transaction leaves the
+        # book as it was and the batch is redelivered against it.
+        self.book.apply(changes)
+        self.relay.committed(staged)
+        self._count(changes)
+
+    def _count(self, changes: Changes) -> None:
+        for sick in changes.unhealthy:
+            self.metrics.unhealthy.labels(sick.node.cause or "").inc()
+        self.metrics.recovered.inc(len(changes.recovered))
+        self.metrics.alerts.inc(len(changes.alerts))
+        if changes.nodes:
+            for state in NodeState:
+                n = sum(1 for node in self.book.nodes.values() if node.state == state)
+                self.metrics.states.labels(state.value).set(n)

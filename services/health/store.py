@@ -1,0 +1,133 @@
+"""The health service's PostgreSQL schema `health`: node states and incidents (plus the
+outbox and processed events of services.common.outbox). Writes are batched upserts."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import asyncpg
+
+from schemas.health import Severity
+from services.common.db import migrate
+from services.health.book import Changes, HealthBook, Incident
+from services.health.machine import NodeHealth, NodeState, Signal
+
+SCHEMA = "health"
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+async def migrate_health(pool: asyncpg.Pool) -> list[str]:
+    return await migrate(pool, SCHEMA, MIGRATIONS)
+
+
+async def load_book(pool: asyncpg.Pool) -> HealthBook:
+    """Every node and the open incidents: the whole state the decisions need."""
+    async with pool.acquire() as conn:
+        nodes = await conn.fetch("SELECT * FROM health.nodes")
+        incidents = await conn.fetch("SELECT * FROM health.incidents WHERE closed_at IS NULL")
+    book = HealthBook()
+    for r in nodes:
+        book.nodes[r["node_id"]] = NodeHealth(
+            node_id=r["node_id"],
+            cluster=r["cluster"],
+            state=NodeState(r["state"]),
+            last_heard=r["last_heard"],
+            recent=tuple(
+                Signal(s["rule"], datetime.fromisoformat(s["at"]), s["label"])
+                for s in json.loads(r["recent"])
+            ),
+            incident_id=r["incident_id"],
+            cause=r["cause"],
+            quarantined_at=r["quarantined_at"],
+            last_bad_at=r["last_bad_at"],
+        )
+    for r in incidents:
+        book.incidents[r["incident_id"]] = _incident(r)
+    return book
+
+
+async def save(conn: asyncpg.Connection, changes: Changes) -> None:
+    await _save_nodes(conn, sorted(changes.nodes.values(), key=lambda n: n.node_id))
+    await _save_incidents(conn, list(changes.incidents.values()))
+
+
+async def incidents_of(conn: asyncpg.Connection, subject: str) -> list[Incident]:
+    rows = await conn.fetch(
+        "SELECT * FROM health.incidents WHERE subject = $1 ORDER BY first_seen", subject
+    )
+    return [_incident(r) for r in rows]
+
+
+async def _save_nodes(conn: asyncpg.Connection, nodes: list[NodeHealth]) -> None:
+    if not nodes:
+        return
+    await conn.executemany(
+        "INSERT INTO health.nodes (node_id, cluster, state, last_heard, recent, incident_id, "
+        "cause, quarantined_at, last_bad_at) VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9) "
+        "ON CONFLICT (node_id) DO UPDATE SET cluster = EXCLUDED.cluster, "
+        "state = EXCLUDED.state, last_heard = EXCLUDED.last_heard, recent = EXCLUDED.recent, "
+        "incident_id = EXCLUDED.incident_id, cause = EXCLUDED.cause, "
+        "quarantined_at = EXCLUDED.quarantined_at, last_bad_at = EXCLUDED.last_bad_at",
+        [
+            (
+                n.node_id,
+                n.cluster,
+                n.state.value,
+                n.last_heard,
+                json.dumps(
+                    [{"rule": s.rule, "at": s.at.isoformat(), "label": s.label} for s in n.recent]
+                ),
+                n.incident_id,
+                n.cause,
+                n.quarantined_at,
+                n.last_bad_at,
+            )
+            for n in nodes
+        ],
+    )
+
+
+async def _save_incidents(conn: asyncpg.Connection, incidents: list[Incident]) -> None:
+    if not incidents:
+        return
+    await conn.executemany(
+        "INSERT INTO health.incidents (incident_id, subject, cluster, node_id, cause, severity, "
+        "suggested_action, first_seen, last_seen, count, closed_at) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) "
+        "ON CONFLICT (incident_id) DO UPDATE SET last_seen = EXCLUDED.last_seen, "
+        "count = EXCLUDED.count, closed_at = EXCLUDED.closed_at",
+        [
+            (
+                i.incident_id,
+                i.subject,
+                i.cluster,
+                i.node_id,
+                i.cause,
+                i.severity.value,
+                i.suggested_action,
+                i.first_seen,
+                i.last_seen,
+                i.count,
+                i.closed_at,
+            )
+            for i in incidents
+        ],
+    )
+
+
+def _incident(r: asyncpg.Record) -> Incident:
+    return Incident(
+        incident_id=r["incident_id"],
+        subject=r["subject"],
+        cluster=r["cluster"],
+        node_id=r["node_id"],
+        cause=r["cause"],
+        severity=Severity(r["severity"]),
+        suggested_action=r["suggested_action"],
+        first_seen=r["first_seen"],
+        last_seen=r["last_seen"],
+        count=r["count"],
+        closed_at=r["closed_at"],
+    )

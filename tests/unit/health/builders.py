@@ -1,0 +1,119 @@
+"""Readable builders for the health tests: a rule set with short timings, probes, a clock."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import UTC, datetime, timedelta
+
+from schemas.health import Severity, SignalKind
+from services.health.book import (
+    Beat,
+    Changes,
+    Draft,
+    HealthBook,
+    Incident,
+    Seen,
+    check,
+    heartbeats_seen,
+    probes_seen,
+)
+from services.health.machine import NodeState
+from services.health.rules import HealthRules, Rule, Timings
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+TIMINGS = Timings(
+    suspect_after_s=15,
+    unhealthy_after_s=30,
+    min_quarantine_s=60,
+    clean_period_s=120,
+    cluster_min_nodes=2,
+)
+RULES = HealthRules(
+    rules=(
+        Rule("xid_79", SignalKind.GPU_XID, Severity.CRITICAL, "reset", frozenset({79}), True),
+        Rule(
+            "xid_other",
+            SignalKind.GPU_XID,
+            Severity.WARNING,
+            "look",
+            threshold=3,
+            window_s=600,
+        ),
+        Rule("nvlink_down", SignalKind.NVLINK_DOWN, Severity.CRITICAL, "fabric", critical=True),
+        Rule(
+            "thermal",
+            SignalKind.THERMAL_THROTTLE,
+            Severity.WARNING,
+            "cool",
+            threshold=3,
+            window_s=60,
+        ),
+    ),
+    timings=TIMINGS,
+)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def probe(
+    node: str, t: float, kind: SignalKind = SignalKind.THERMAL_THROTTLE, xid: int | None = None
+) -> Seen:
+    return Seen(node, cluster_of(node), kind, xid, None, "", at(t))
+
+
+def beat(node: str, t: float) -> Beat:
+    return Beat(node, cluster_of(node), at(t))
+
+
+def cluster_of(node: str) -> str:
+    """Nodes are named `<cluster>-<n>`."""
+    return node.rsplit("-", 1)[0]
+
+
+class Fleet:
+    """A health book driven like the service drives it: each step decides, then applies."""
+
+    def __init__(self, rules: HealthRules = RULES, watch_from: float = 0.0) -> None:
+        self.book = HealthBook()
+        self.rules = rules
+        self.watch_from = at(watch_from)
+        self._ids = itertools.count(1)
+        self.log: list[Changes] = []
+
+    def _draft(self) -> Draft:
+        return Draft(self.book, self.rules, lambda: f"inc-{next(self._ids)}")
+
+    def _apply(self, d: Draft) -> Changes:
+        self.book.apply(d.changes)
+        self.log.append(d.changes)
+        return d.changes
+
+    def beats(self, t: float, *nodes: str) -> Changes:
+        d = self._draft()
+        heartbeats_seen(d, [beat(n, t) for n in nodes])
+        return self._apply(d)
+
+    def probes(self, now: float, *seen: Seen) -> Changes:
+        d = self._draft()
+        probes_seen(d, seen, at(now))
+        return self._apply(d)
+
+    def check(self, now: float) -> Changes:
+        d = self._draft()
+        check(d, at(now), self.watch_from)
+        return self._apply(d)
+
+    def state(self, node: str) -> NodeState:
+        return self.book.nodes[node].state
+
+    def alerts(self) -> list[Incident]:
+        return [c.incidents[i] for c in self.log for i in c.alerts]
+
+    def unhealthy(self) -> list[str]:
+        return [u.node.node_id for c in self.log for u in c.unhealthy]
+
+    def recovered(self) -> list[str]:
+        return [r.node.node_id for c in self.log for r in c.recovered]

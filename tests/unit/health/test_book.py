@@ -1,0 +1,149 @@
+"""Fleet-level decisions: incidents, one alert per incident, cluster silence, recovery."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.health import SignalKind
+from services.health.machine import NodeState
+from services.health.rules import HEARTBEAT_LOST
+from tests.unit.health.builders import Fleet, at, probe
+
+XID = SignalKind.GPU_XID
+
+
+def test_a_critical_xid_quarantines_at_once_with_one_alert() -> None:
+    f = Fleet()
+    f.beats(0, "a-1")
+    f.probes(1, probe("a-1", 1, XID, 79))
+    assert f.state("a-1") == NodeState.UNHEALTHY
+    assert f.unhealthy() == ["a-1"]
+    [alert] = f.alerts()
+    assert (alert.subject, alert.cause, alert.count, alert.node_id) == ("a-1", "xid_79", 1, "a-1")
+
+
+def test_more_probes_on_a_quarantined_node_count_on_its_incident_without_alerts() -> None:
+    f = Fleet()
+    f.probes(1, probe("a-1", 1, XID, 79))
+    for t in range(2, 12):
+        f.probes(t, probe("a-1", t, XID, 79), probe("a-1", t, SignalKind.NVLINK_DOWN))
+    assert len(f.alerts()) == 1 and f.unhealthy() == ["a-1"]
+    [incident] = f.book.incidents.values()
+    assert incident.count == 21
+
+
+def test_an_unknown_xid_needs_three_in_its_window() -> None:
+    f = Fleet()
+    f.probes(1, probe("a-1", 1, XID, 13), probe("a-1", 2, XID, 31))
+    assert f.state("a-1") == NodeState.HEALTHY and f.alerts() == []
+    f.probes(3, probe("a-1", 3, XID, 43))
+    [alert] = f.alerts()
+    assert (alert.cause, alert.count) == ("xid_other", 3)
+
+
+def test_a_probe_no_rule_matches_is_ignored() -> None:
+    f = Fleet()
+    f.probes(1, probe("a-1", 1, SignalKind.DISK_FULL))  # the test rules have no disk rule
+    assert f.alerts() == [] and "a-1" not in f.book.nodes
+
+
+def test_a_flapping_node_is_quarantined_once_and_stays_out_while_it_flaps() -> None:
+    f = Fleet()
+    for t in range(0, 600, 5):  # throttles every 5 s for 10 minutes, heartbeats fine
+        f.beats(t, "a-1")
+        f.probes(t, probe("a-1", t))
+        f.check(t)
+    assert f.unhealthy() == ["a-1"] and len(f.alerts()) == 1 and f.recovered() == []
+    # Then it calms down: back after the 120 s clean period, once.
+    for t in range(600, 800, 5):
+        f.beats(t, "a-1")
+        f.check(t)
+    assert f.recovered() == ["a-1"]
+    assert next(r for c in f.log for r in c.recovered).at == at(715)  # last bad 595 + 120
+
+
+def test_silence_makes_a_node_suspect_then_unhealthy_then_it_recovers() -> None:
+    f = Fleet()
+    f.beats(0, "a-1", "b-1")
+    for t in range(5, 100, 5):
+        f.beats(t, "b-1")  # b keeps its cluster from looking dark
+        f.check(t)
+        if t == 15:
+            assert f.state("a-1") == NodeState.SUSPECT
+    assert f.state("a-1") == NodeState.UNHEALTHY and f.unhealthy() == ["a-1"]
+    [alert] = f.alerts()
+    assert (alert.subject, alert.cause) == ("a-1", HEARTBEAT_LOST)
+    for t in range(100, 220, 5):  # back after 100 s: the clean period counts from here
+        f.beats(t, "a-1", "b-1")
+        f.check(t)
+    f.check(219)
+    assert f.recovered() == []
+    f.check(220)
+    assert f.recovered() == ["a-1"] and f.state("a-1") == NodeState.HEALTHY
+    assert f.book.incidents == {}
+
+
+def test_a_whole_cluster_going_dark_raises_one_cluster_alert() -> None:
+    f = Fleet()
+    nodes = [f"gpu-{i}" for i in range(4)]
+    f.beats(0, *nodes, "other-1")
+    f.beats(3, "gpu-0")  # one node's last beat was a little later than the others'
+    for t in range(5, 40):
+        f.beats(t, "other-1")
+        f.check(t)
+    assert sorted(f.unhealthy()) == nodes
+    [alert] = f.alerts()
+    assert (alert.subject, alert.node_id, alert.cluster) == ("gpu", None, "gpu")
+    [incident] = f.book.incidents.values()
+    assert incident.count == 4
+    # The cluster comes back; the incident closes with its last node.
+    for t in range(40, 200, 5):
+        f.beats(t, *nodes, "other-1")
+        f.check(t)
+    assert sorted(f.recovered()) == nodes and f.book.incidents == {}
+
+
+def test_a_single_node_cluster_going_dark_is_a_node_alert() -> None:
+    f = Fleet()
+    f.beats(0, "solo-1")
+    f.check(31)
+    [alert] = f.alerts()
+    assert alert.subject == "solo-1" and alert.node_id == "solo-1"
+
+
+def test_nodes_listed_in_an_inventory_are_watched_even_without_heartbeats() -> None:
+    from services.health.book import inventory_seen
+
+    f = Fleet()
+    d = f._draft()
+    inventory_seen(d, "inv", ["inv-1", "inv-2"], at(0))
+    f._apply(d)
+    f.check(31)
+    assert sorted(f.unhealthy()) == ["inv-1", "inv-2"] and len(f.alerts()) == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    bad=st.lists(st.floats(min_value=0, max_value=400), min_size=3, max_size=30),
+    checks=st.lists(st.floats(min_value=0, max_value=800), min_size=1, max_size=60),
+)
+def test_a_node_is_never_recovered_before_its_clean_period(
+    bad: list[float], checks: list[float]
+) -> None:
+    f = Fleet()
+    events = sorted([(t, "probe") for t in bad] + [(t, "check") for t in checks])
+    last_bad = None
+    for t, what in events:
+        f.beats(t, "a-1")  # always heartbeating: only the clean period holds it back
+        if what == "probe":
+            f.probes(t, probe("a-1", t, SignalKind.NVLINK_DOWN))
+            last_bad = t
+        else:
+            changes = f.check(t)
+            for r in changes.recovered:
+                assert last_bad is not None
+                assert (r.at - at(last_bad)).total_seconds() >= 120
+                assert (r.at - r.node.quarantined_at).total_seconds() >= 60
+    # One quarantine per incident: alerts and quarantines pair up, recoveries never exceed them.
+    assert len(f.alerts()) == len(f.unhealthy()) >= len(f.recovered())
