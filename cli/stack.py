@@ -163,6 +163,8 @@ class Stack:
     services: list[Service] = field(default_factory=list)
     supervisor: dict[str, Any] | None = None  # the foreground `qm up` process, if any
     ready: bool = False
+    # The environment the services were started with (only in the process that started them).
+    base_env: dict[str, str] | None = field(default=None, repr=False)
 
     # --- starting ------------------------------------------------------------------------
 
@@ -215,6 +217,7 @@ class Stack:
                     p for p in (str(PROJECT_ROOT), environ.get("PYTHONPATH", "")) if p
                 ),
             }
+            stack.base_env = base_env
             stack._spawn(plan, base_env)
             stack._wait_healthy(health_timeout)
             stack.ready = True
@@ -259,9 +262,20 @@ class Stack:
             self.services.append(service)
         self.save()
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def add_service(self, name: str, module: str, timeout: float = HEALTH_TIMEOUT_S) -> Service:
+        """Start one more process of a service (a standby scheduler, say) with the stack's
+        environment; it is stopped with the rest."""
+        if self.base_env is None:
+            raise StackError("add_service needs the process that started the stack")
+        logs = self.state_dir / "logs"
+        service = Service(name, module, free_port(), logs / f"{name}.log")
+        self._spawn([service], self.base_env)
+        self._wait_healthy(timeout, [service])
+        return service
+
+    def _wait_healthy(self, timeout: float, services: list[Service] | None = None) -> None:
         deadline = time.monotonic() + timeout
-        pending = list(self.services)
+        pending = list(self.services if services is None else services)
         with httpx.Client(timeout=1.0) as client:
             while pending:
                 for service in list(pending):
