@@ -29,6 +29,7 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
 )
+from schemas.health import NodeRecovered, NodeUnhealthy
 from services.common.kafka import OutMessage, envelope_for, publish_all
 from services.scheduler.convert import placement_event
 from services.scheduler.state import SchedulerState
@@ -43,6 +44,8 @@ FEED_TOPICS = (
     topics.PLACEMENT_DECIDED,
     topics.PLACEMENT_REFUSED,
     topics.JOB_FINISHED,
+    topics.NODE_UNHEALTHY,
+    topics.NODE_RECOVERED,
 )
 
 
@@ -88,6 +91,10 @@ def _apply(state: SchedulerState, topic: str, env: Envelope) -> None:
         state.on_finished(JobFinished.model_validate(env.payload))
     elif topic == topics.CLUSTER_CAPACITY:
         state.on_capacity(ClusterCapacity.model_validate(env.payload))
+    elif topic == topics.NODE_UNHEALTHY:
+        state.on_node_health(NodeUnhealthy.model_validate(env.payload).node_id, healthy=False)
+    elif topic == topics.NODE_RECOVERED:
+        state.on_node_health(NodeRecovered.model_validate(env.payload).node_id, healthy=True)
 
 
 class Cycle:

@@ -4,7 +4,7 @@ from events. Replaying the topics from the start rebuilds it exactly."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.model import Allocation, Cluster, ClusterId, JobId, JobRequest, Node, NodeId, Snapshot
 from schemas.events import (
@@ -30,6 +30,8 @@ class SchedulerState:
     attempts: dict[JobId, int] = field(default_factory=dict)
     running_attempt: dict[JobId, int] = field(default_factory=dict)
     finished: OrderedDict[JobId, None] = field(default_factory=OrderedDict)
+    # Quarantined by the health service; kept apart from the inventory, which may be re-sent.
+    unhealthy: set[NodeId] = field(default_factory=set)
     # Set when something happened that could let a pending job in; the cycle clears it.
     dirty: bool = True
 
@@ -47,8 +49,25 @@ class SchedulerState:
         for node_id in [n for n, node in self.nodes.items() if node.cluster == cluster.cluster_id]:
             if node_id not in nodes:
                 del self.nodes[node_id]
-        self.nodes.update(nodes)
+        self.nodes.update(
+            {
+                n: replace(node, healthy=False) if n in self.unhealthy else node
+                for n, node in nodes.items()
+            }
+        )
         self.dirty = True
+
+    def on_node_health(self, node_id: str, healthy: bool) -> None:
+        """The health service's verdict: no new placement lands on an unhealthy node."""
+        nid = NodeId(node_id)
+        if healthy:
+            self.unhealthy.discard(nid)
+        else:
+            self.unhealthy.add(nid)
+        node = self.nodes.get(nid)
+        if node is not None and node.healthy != healthy:
+            self.nodes[nid] = replace(node, healthy=healthy)
+            self.dirty = True
 
     def on_queued(self, event: JobQueued) -> None:
         job_id = JobId(event.job_id)

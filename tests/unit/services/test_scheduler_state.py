@@ -121,3 +121,14 @@ def test_finishing_a_running_job_frees_it() -> None:
     state.dirty = False
     state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
     assert state.running == {} and state.dirty
+
+
+def test_an_unhealthy_node_stays_out_even_when_the_inventory_is_resent() -> None:
+    state = SchedulerState()
+    state.on_capacity(capacity(2))
+    state.on_node_health("n1", healthy=False)
+    state.on_capacity(capacity(2))
+    assert not state.nodes["n1"].healthy and state.nodes["n0"].healthy  # type: ignore[index]
+    state.dirty = False
+    state.on_node_health("n1", healthy=True)
+    assert state.nodes["n1"].healthy and state.dirty  # type: ignore[index]
