@@ -20,6 +20,7 @@ from rich.text import Text
 from cli import jobs, render
 from cli.client import state_dir
 from cli.errors import QmError, StackError
+from cli.faults import fault_app
 from cli.probes import redact
 from cli.processes import is_alive
 from cli.stack import PROJECT_ROOT, STATE_FILE, Stack
@@ -283,6 +284,7 @@ def _follow(path: Path) -> None:
 
 # Registered last so that `qm --help` lists the stack commands first.
 jobs.register(app)
+app.add_typer(fault_app, name="fault")
 
 try:  # the simulator is optional: `qm` works without it
     from sim.cli import sim_app  # type: ignore[import-not-found, unused-ignore]

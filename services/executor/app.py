@@ -19,8 +19,9 @@ from services.common.kafka import (
 )
 from services.common.policyfile import load_policy, read_yaml
 from services.common.runtime import Runtime, create_http_app
+from services.executor.faults import Outage, fault_router
 from services.executor.fleetinfo import capacity_event, heartbeats
-from services.executor.handlers import Executor, ExecutorMetrics
+from services.executor.handlers import PAYLOADS, Executor, ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.settings import ExecutorSettings
 from services.executor.store import MIGRATIONS, ExecutorStore, schema_for
@@ -44,6 +45,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     cluster = clusters[cluster_name]  # type: ignore[index]
     nodes = {str(n.node_id): n for n in all_nodes.values() if n.cluster == cluster_name}
     book = NodeBook(nodes)
+    outage = Outage()
     metrics = ExecutorMetrics(runtime.registry)
     state: dict[str, Executor] = {}
 
@@ -54,8 +56,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
 
     consume_batches(
         broker,
-        topics.PLACEMENT_DECIDED,
-        topics.JOB_STOP_ORDERED,
+        *PAYLOADS,
         group_id=f"executor-{cluster_name}",
         settings=settings,
         handle=handle,
@@ -71,6 +72,9 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         """Inventory now and then (the scheduler builds its fleet from it) and heartbeats."""
         last_capacity = 0.0
         while True:
+            if outage.dark:  # a simulated outage: the cluster says nothing at all
+                await asyncio.sleep(settings.heartbeat_interval_s)
+                continue
             out: list[OutMessage] = []
             if time.monotonic() - last_capacity >= settings.capacity_interval_s:
                 cap = capacity_event(cluster, nodes)
@@ -116,6 +120,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         await broker.start()
 
     app = create_http_app(runtime)
+    app.include_router(fault_router(cluster_name, set(nodes), broker, outage))
     app.state.runtime = runtime
     app.state.book = book
     app.state.broker = broker

@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas import topics
 from schemas.envelope import Envelope
@@ -22,6 +22,7 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
 )
+from schemas.health import NodeRecovered, NodeUnhealthy
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
 from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
@@ -30,6 +31,14 @@ from services.executor.simulated import simulate
 from services.executor.store import ExecutorStore, RunningJob, utcnow
 
 log = structlog.get_logger()
+
+# What the executor consumes; items of another cluster are skipped after parsing.
+PAYLOADS: dict[str, type[BaseModel]] = {
+    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.JOB_STOP_ORDERED: JobStopOrdered,
+    topics.NODE_UNHEALTHY: NodeUnhealthy,
+    topics.NODE_RECOVERED: NodeRecovered,
+}
 
 
 class ExecutorMetrics:
@@ -109,15 +118,12 @@ class Executor:
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
         records = tuple(r for r in records if not self._for_another_cluster(r))
         received, dead = decode_envelopes(records, consumer=self.producer)
-        mine: list[tuple[Envelope, PlacementDecided | JobStopOrdered]] = []
+        mine: list[tuple[Envelope, Any]] = []
         for got in received:
             try:
-                if got.record.topic == topics.PLACEMENT_DECIDED:
-                    placement = PlacementDecided.model_validate(got.envelope.payload)
-                    if placement.cluster == self.cluster:
-                        mine.append((got.envelope, placement))
-                else:
-                    mine.append((got.envelope, JobStopOrdered.model_validate(got.envelope.payload)))
+                item = PAYLOADS[got.record.topic].model_validate(got.envelope.payload)
+                if getattr(item, "cluster", self.cluster) == self.cluster:
+                    mine.append((got.envelope, item))
             except ValidationError as exc:
                 dead.append(dead_letter(got.record, str(exc), consumer=self.producer))
         if not mine and not dead:
@@ -143,8 +149,12 @@ class Executor:
                     continue
                 if isinstance(item, PlacementDecided):
                     out.append(self._place(env, item, started))
-                else:
+                elif isinstance(item, JobStopOrdered):
                     out.extend(self._stop(env, item, ended, tombs))
+                elif isinstance(item, NodeUnhealthy):
+                    out.extend(self._node_lost(env, item, ended))
+                else:
+                    self.book.set_health(item.node_id, healthy=True)
             await self.store.write(
                 conn,
                 started=started,
@@ -229,20 +239,48 @@ class Executor:
             self.tombstones.add(cmd.job_id)
             tombs.append(cmd.job_id)
             return []
+        return [
+            self._end(
+                job, env, Outcome.CANCELED, cmd.reason, f"stopped on request ({cmd.reason})", ended
+            )
+        ]
+
+    def _node_lost(self, env: Envelope, down: NodeUnhealthy, ended: list[str]) -> list[OutMessage]:
+        """The health service quarantined a node: nothing new lands there, and every gang
+        with a replica on it has failed (a gang is all or nothing)."""
+        if not self.book.set_health(down.node_id, healthy=False):
+            return []
+        hit = [j for j in self.running.values() if down.node_id in j.nodes]
+        message = f"node {down.node_id} failed ({down.cause}) under replica(s) of this job"
+        out = []
+        for job in hit:
+            del self.running[job.job_id]
+            out.append(self._end(job, env, Outcome.FAILED, "node_failure", message, ended))
+        return out
+
+    def _end(
+        self,
+        job: RunningJob,
+        env: Envelope,
+        outcome: Outcome,
+        reason: str,
+        message: str,
+        ended: list[str],
+    ) -> OutMessage:
         self.book.release(job.job_id)
         ended.append(job.job_id)
         ran = (utcnow() - job.started_at).total_seconds() * self.time_scale
-        self.metrics.finished.labels("canceled").inc()
+        self.metrics.finished.labels(outcome.value).inc()
         done = JobFinished(
             job_id=job.job_id,
             attempt=job.attempt,
-            outcome=Outcome.CANCELED,
-            reason_code=cmd.reason,
-            message=f"stopped on request ({cmd.reason})",
+            outcome=outcome,
+            reason_code=reason,
+            message=message,
             cluster=self.cluster,
             ran_s=round(ran, 3),
         )
-        return [self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, env)]
+        return self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, env)
 
     async def finish_due(self, now: float) -> int:
         """End every job whose (virtual) run time is over."""

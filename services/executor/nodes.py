@@ -6,7 +6,7 @@ would put more on a node than it has is refused here with the numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.model import Node
 from schemas.events import ReplicaAssignment
@@ -107,6 +107,14 @@ class NodeBook:
                 use.devices[i] = min(1.0, use.devices[i] + amount)
             use.cpu -= cpu
             use.memory_gb -= mem
+        return True
+
+    def set_health(self, node_id: str, *, healthy: bool) -> bool:
+        """Mark a node (un)healthy; False if it is not ours or nothing changed."""
+        use = self.use.get(node_id)
+        if use is None or use.node.healthy == healthy:
+            return False
+        use.node = replace(use.node, healthy=healthy)
         return True
 
     def audit(self) -> list[str]:

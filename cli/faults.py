@@ -1,0 +1,68 @@
+"""`qm fault`: inject a node or cluster failure into the simulated fleet of a running stack."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import httpx
+import typer
+
+from cli.client import state_dir
+from cli.stack import Service, Stack
+
+fault_app = typer.Typer(
+    help="Inject faults into the simulated fleet (demos and tests).", no_args_is_help=True
+)
+
+
+def _executors() -> dict[str, Service]:
+    """cluster name -> its executor service, from the running stack's record."""
+    stack = Stack.load(state_dir())
+    if stack is None:
+        raise typer.BadParameter("no stack is running here (start one with `qm up`)")
+    return {
+        s.extra_env["QM_EXECUTOR_CLUSTER"]: s
+        for s in stack.services
+        if "QM_EXECUTOR_CLUSTER" in s.extra_env
+    }
+
+
+def _post(service: Service, path: str, body: dict[str, object]) -> None:
+    r = httpx.post(f"http://127.0.0.1:{service.port}{path}", json=body, timeout=5)
+    if r.status_code >= 400:
+        typer.echo(f"refused: {r.json().get('detail', r.text)}", err=True)
+        raise typer.Exit(1)
+    typer.echo(r.json())
+
+
+@fault_app.command("node")
+def node(
+    node_id: Annotated[str, typer.Argument(help="e.g. onprem-h100-h100-0003")],
+    xid: Annotated[int, typer.Option(help="GPU XID code (79: fell off the bus)")] = 79,
+    kind: Annotated[
+        str,
+        typer.Option(
+            help="gpu_xid, ecc_uncorrectable, thermal_throttle, "
+            "nvlink_down, pcie_error or disk_full"
+        ),
+    ] = "gpu_xid",
+) -> None:
+    """Make a node report a hardware error, as its own agent would."""
+    executors = _executors()
+    # Node ids start with their cluster's name; the longest matching name wins.
+    owners = sorted((c for c in executors if node_id.startswith(f"{c}-")), key=len)
+    if not owners:
+        raise typer.BadParameter(f"no cluster of this stack has a node {node_id}")
+    _post(executors[owners[-1]], "/faults/node", {"node_id": node_id, "kind": kind, "xid": xid})
+
+
+@fault_app.command("cluster")
+def cluster(
+    name: Annotated[str, typer.Argument(help="cluster name, as in the fleet file")],
+    state: Annotated[str, typer.Argument(help="down (stop heartbeating) or up")],
+) -> None:
+    """Take a whole cluster dark (its heartbeats stop) or bring it back."""
+    executors = _executors()
+    if name not in executors:
+        raise typer.BadParameter(f"unknown cluster {name}; known: {', '.join(sorted(executors))}")
+    _post(executors[name], "/faults/cluster", {"state": state})

@@ -1,0 +1,47 @@
+"""A node fails under a running gang: the health service quarantines it on the injected XID and
+the executor fails the whole gang with reason `node_failure` (requeueing it is issue 4's)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from cli.stack import Stack
+
+
+async def test_an_xid_on_a_gang_node_fails_the_gang(qm_stack: Stack) -> None:
+    vision = {"Authorization": "Bearer dev-vision"}
+    async with httpx.AsyncClient(base_url=qm_stack.gateway_url, timeout=30) as client:
+        gang = {
+            "replicas": 2,
+            "resources": {"accelerators": 8, "accelerator_types": ["H100"]},
+            "labels": {"sim_duration_s": "10000000"},
+        }
+        job_id = (await client.post("/v1/jobs", json=gang, headers=vision)).json()["job_id"]
+        status = await wait_state(client, job_id, {"running"})
+        victim = status["nodes"][0]
+        executor = next(
+            s
+            for s in qm_stack.services
+            if s.extra_env.get("QM_EXECUTOR_CLUSTER") == status["cluster"]
+        )
+        r = await client.post(
+            f"http://127.0.0.1:{executor.port}/faults/node", json={"node_id": victim, "xid": 79}
+        )
+        assert r.status_code == 202, r.text
+        status = await wait_state(client, job_id, {"failed", "succeeded", "canceled"})
+    assert status["state"] == "failed", status
+    assert status["reason_code"] == "node_failure" and victim in status["message"]
+
+
+async def wait_state(client: httpx.AsyncClient, job_id: str, states: set[str]) -> dict:  # type: ignore[type-arg]
+    status: dict = {}  # type: ignore[type-arg]
+    for _ in range(300):
+        status = (
+            await client.get(f"/v1/jobs/{job_id}", headers={"Authorization": "Bearer dev-admin"})
+        ).json()
+        if status["state"] in states:
+            return status
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"job {job_id} never reached {states}: {status}")
