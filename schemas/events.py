@@ -51,6 +51,12 @@ class JobQueued(Payload):
     spec: JobSpec
     submitted_at: datetime = Field(description="Original submit time; kept across requeues.")
     attempt: int = Field(default=0, description="0 for the first queueing, +1 per requeue.")
+    requeue_of_attempt: int | None = Field(
+        default=None, description="On a requeue: the run attempt that ended (its capacity is free)."
+    )
+    excluded_nodes: list[str] = Field(
+        default_factory=list, description="Nodes this job must avoid (they failed under it)."
+    )
 
 
 class JobRejected(Payload):
@@ -109,6 +115,19 @@ class JobFinished(Payload):
     reason_code: str | None = None
     message: str | None = None
     cluster: str | None = None
+    ran_s: float = 0.0
+
+
+class JobPreempted(Payload):
+    """A run ended by the platform, not by the job: the node failed, the cluster went away, or
+    room was made for a higher claim. The queue requeues the job; it is not terminal."""
+
+    job_id: str
+    attempt: int
+    cluster: str
+    reason_code: str
+    message: str
+    failed_nodes: list[str] = Field(default_factory=list)
     ran_s: float = 0.0
 
 

@@ -114,8 +114,8 @@ TOPICS: tuple[Topic, ...] = (
         _JOB,
         4,
         "JobPreempted",
-        None,
-        "A job was stopped to make room (acted on by the preemptor).",
+        events.JobPreempted,
+        "A run was ended by the platform (node failure, room for a higher claim); requeued.",
     ),
     Topic(
         JOB_STOP_ORDERED,

@@ -16,6 +16,7 @@ from schemas import topics
 from schemas.envelope import Envelope
 from schemas.events import (
     JobFinished,
+    JobPreempted,
     JobStarted,
     JobStopOrdered,
     Outcome,
@@ -247,16 +248,36 @@ class Executor:
 
     def _node_lost(self, env: Envelope, down: NodeUnhealthy, ended: list[str]) -> list[OutMessage]:
         """The health service quarantined a node: nothing new lands there, and every gang
-        with a replica on it has failed (a gang is all or nothing)."""
+        with a replica on it is stopped as a whole and handed back (job.preempted) to be
+        requeued elsewhere."""
         if not self.book.set_health(down.node_id, healthy=False):
             return []
         hit = [j for j in self.running.values() if down.node_id in j.nodes]
-        message = f"node {down.node_id} failed ({down.cause}) under replica(s) of this job"
+        message = f"node {down.node_id} failed ({down.cause}) under a replica of this job"
         out = []
         for job in hit:
             del self.running[job.job_id]
-            out.append(self._end(job, env, Outcome.FAILED, "node_failure", message, ended))
+            self._release(job, ended, "node_failure")
+            lost = JobPreempted(
+                job_id=job.job_id,
+                attempt=job.attempt,
+                cluster=self.cluster,
+                reason_code="node_failure",
+                message=message,
+                failed_nodes=[down.node_id],
+                ran_s=round(self._ran_s(job), 3),
+            )
+            out.append(self._emit(topics.JOB_PREEMPTED, "JobPreempted", lost, job.tenant, env))
         return out
+
+    def _release(self, job: RunningJob, ended: list[str], how: str) -> None:
+        self.book.release(job.job_id)
+        ended.append(job.job_id)
+        self.metrics.finished.labels(how).inc()
+
+    def _ran_s(self, job: RunningJob) -> float:
+        """Virtual seconds the run has lasted."""
+        return (utcnow() - job.started_at).total_seconds() * self.time_scale
 
     def _end(
         self,
@@ -267,10 +288,7 @@ class Executor:
         message: str,
         ended: list[str],
     ) -> OutMessage:
-        self.book.release(job.job_id)
-        ended.append(job.job_id)
-        ran = (utcnow() - job.started_at).total_seconds() * self.time_scale
-        self.metrics.finished.labels(outcome.value).inc()
+        self._release(job, ended, outcome.value)
         done = JobFinished(
             job_id=job.job_id,
             attempt=job.attempt,
@@ -278,7 +296,7 @@ class Executor:
             reason_code=reason,
             message=message,
             cluster=self.cluster,
-            ran_s=round(ran, 3),
+            ran_s=round(self._ran_s(job), 3),
         )
         return self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, env)
 

@@ -15,6 +15,7 @@ from schemas import topics
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
+    JobPreempted,
     JobQueued,
     JobRejected,
     JobStarted,
@@ -34,6 +35,7 @@ PROJECTED: dict[str, type[BaseModel]] = {
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
+    topics.JOB_PREEMPTED: JobPreempted,
     topics.JOB_CANCEL_REQUESTED: JobCancelRequested,
 }
 

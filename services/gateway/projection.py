@@ -14,6 +14,7 @@ from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
+    JobPreempted,
     JobQueued,
     JobRejected,
     JobStarted,
@@ -38,6 +39,7 @@ class JobView:
     updated_at: datetime
     spec: JobSpec | None = None
     attempt: int = 0
+    ended_attempt: int = 0  # the last run the platform ended; its late events change nothing
     reason_code: str | None = None
     message: str | None = None
     cluster: str | None = None
@@ -88,7 +90,17 @@ def _advance(view: JobView, state: JobState, at: datetime, **changes: Any) -> Jo
 def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView | None:
     if isinstance(p, JobQueued):
         base = view or JobView(p.job_id, p.spec.tenant, JobState.SUBMITTED, p.submitted_at, at)
-        return _advance(replace(base, spec=base.spec or p.spec), JobState.QUEUED, at)
+        base = replace(base, spec=base.spec or p.spec)
+        requeued = p.requeue_of_attempt is not None and p.requeue_of_attempt >= base.attempt
+        if requeued and not base.state.terminal:
+            # The platform ended the run: the one step back a job takes.
+            return replace(
+                base,
+                state=JobState.QUEUED,
+                updated_at=max(at, base.updated_at),
+                ended_attempt=max(base.ended_attempt, p.requeue_of_attempt or 0),
+            )
+        return _advance(base, JobState.QUEUED, at)
     if isinstance(p, JobRejected):
         tenant = view.tenant if view else (env.tenant or "unknown")
         base = view or JobView(str(p.job_id), tenant, JobState.SUBMITTED, at, at)
@@ -98,18 +110,27 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
     if view is None:
         return None  # lifecycle of a job this gateway has not heard of yet
     if isinstance(p, PlacementDecided):
-        if p.attempt < view.attempt:
+        if p.attempt < view.attempt or p.attempt <= view.ended_attempt:
             return view
         nodes = tuple(sorted({r.node_id for r in p.replicas}))
         return _advance(
             view, JobState.PLACED, at, attempt=p.attempt, cluster=p.cluster, nodes=nodes
         )
+    if isinstance(p, JobPreempted):
+        if p.attempt == view.attempt and view.state in (JobState.PLACED, JobState.RUNNING):
+            return replace(
+                view,
+                state=JobState.QUEUED,
+                updated_at=max(at, view.updated_at),
+                ended_attempt=p.attempt,
+            )
+        return view
     if isinstance(p, PlacementRefused):
         if view.state is JobState.PLACED and p.attempt == view.attempt:
             return replace(view, state=JobState.QUEUED, updated_at=at)
         return view
     if isinstance(p, JobStarted):
-        if p.attempt < view.attempt:
+        if p.attempt < view.attempt or p.attempt <= view.ended_attempt:
             return view
         return _advance(
             view, JobState.RUNNING, at, attempt=p.attempt, cluster=p.cluster, nodes=tuple(p.nodes)
@@ -124,7 +145,7 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
 def _words(p: Any, view: JobView | None) -> tuple[str | None, str | None]:
     if isinstance(p, JobRejected):
         return p.reason_code.value, p.message
-    if isinstance(p, JobFinished | PlacementRefused):
+    if isinstance(p, JobFinished | PlacementRefused | JobPreempted):
         return p.reason_code, p.message
     if isinstance(p, PlacementDecided):
         nodes = sorted({r.node_id for r in p.replicas})
@@ -134,5 +155,8 @@ def _words(p: Any, view: JobView | None) -> tuple[str | None, str | None]:
     if isinstance(p, JobCancelRequested):
         return "cancel_requested", f"cancel requested by {p.requested_by}"
     if isinstance(p, JobQueued):
+        if p.requeue_of_attempt is not None:
+            avoid = f", avoiding {', '.join(p.excluded_nodes)}" if p.excluded_nodes else ""
+            return "requeued", f"requeued after attempt {p.requeue_of_attempt}{avoid}"
         return None, f"queued in {p.spec.queue}"
     return None, None

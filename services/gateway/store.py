@@ -17,7 +17,7 @@ SCHEMA = "gateway"
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 _COLS = (
-    "job_id, tenant, state, attempt, reason_code, message, cluster, nodes, spec, "
+    "job_id, tenant, state, attempt, ended_attempt, reason_code, message, cluster, nodes, spec, "
     "submitted_at, updated_at"
 )
 
@@ -36,6 +36,7 @@ def _view(row: asyncpg.Record) -> JobView:
         updated_at=row["updated_at"],
         spec=spec,
         attempt=row["attempt"],
+        ended_attempt=row["ended_attempt"],
         reason_code=row["reason_code"],
         message=row["message"],
         cluster=row["cluster"],
@@ -80,9 +81,10 @@ async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> No
     await conn.executemany(
         'INSERT INTO gateway.jobs (job_id, tenant, project, "user", queue, name, state, attempt,'
         " reason_code, message, cluster, nodes, replicas, accelerators, idempotency_key, spec,"
-        " submitted_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
-        " $13, $14, $15, $16, $17, $18) ON CONFLICT (job_id) DO UPDATE SET state = EXCLUDED.state,"
-        " attempt = EXCLUDED.attempt, reason_code = EXCLUDED.reason_code,"
+        " submitted_at, updated_at, ended_attempt) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9,"
+        " $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) ON CONFLICT (job_id) DO UPDATE SET"
+        " state = EXCLUDED.state, attempt = EXCLUDED.attempt,"
+        " ended_attempt = EXCLUDED.ended_attempt, reason_code = EXCLUDED.reason_code,"
         " message = EXCLUDED.message, cluster = EXCLUDED.cluster, nodes = EXCLUDED.nodes,"
         " spec = COALESCE(gateway.jobs.spec, EXCLUDED.spec),"
         " project = COALESCE(gateway.jobs.project, EXCLUDED.project),"
@@ -117,6 +119,7 @@ def _row(v: JobView) -> tuple[Any, ...]:
         s.model_dump_json(exclude_none=True) if s else None,
         v.submitted_at,
         v.updated_at,
+        v.ended_attempt,
     )
 
 

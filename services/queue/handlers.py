@@ -10,6 +10,7 @@ from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from core.policy import Policy
+from schemas.events import JobPreempted
 from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
 from services.queue import store
 from services.queue.intake import NewJob, read_batch
@@ -70,7 +71,13 @@ class QueueProcessor:
                 idem = await store.find_by_idempotency(conn, keys)  # type: ignore[arg-type]
                 new_ids = [i.job_id for i in todo if isinstance(i, NewJob)]
                 early = await store.take_early_cancels(conn, new_ids)
-                plan = plan_batch(todo, records_by_id, idem, self.policy, early)
+                ended_runs = [
+                    i.payload.job_id
+                    for i in todo
+                    if isinstance(getattr(i, "payload", None), JobPreempted)
+                ]
+                specs = await store.job_specs(conn, ended_runs)
+                plan = plan_batch(todo, records_by_id, idem, self.policy, early, specs)
                 await store.insert_jobs(conn, plan.inserts)
                 await store.update_jobs(conn, list(plan.updates.values()))
                 await store.add_history(conn, plan.history)

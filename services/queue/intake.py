@@ -14,6 +14,7 @@ from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
+    JobPreempted,
     JobStarted,
     PlacementDecided,
     PlacementRefused,
@@ -35,6 +36,7 @@ LIFECYCLE_PAYLOADS: dict[str, type[BaseModel]] = {
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
+    topics.JOB_PREEMPTED: JobPreempted,
 }
 # Two consumers: requests (submissions and cancels, on every job's critical path) are never
 # held up behind the larger stream of lifecycle events that follow placements.

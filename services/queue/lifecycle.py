@@ -15,13 +15,15 @@ from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
+    JobPreempted,
+    JobQueued,
     JobStarted,
     JobStopOrdered,
     Outcome,
     PlacementDecided,
     PlacementRefused,
 )
-from schemas.job import JobState
+from schemas.job import JobSpec, JobState
 from services.common.kafka import OutMessage, envelope_for
 
 PRODUCER = "queue"
@@ -47,6 +49,9 @@ class JobRecord:
     cancel_requested: bool = False
     reason_code: str | None = None
     message: str | None = None
+    requeues: int = 0
+    excluded_nodes: tuple[str, ...] = ()
+    ended_attempt: int = 0  # the last run the platform ended; its late events change nothing
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
         step.emits.append(_stop(rec, env, "canceled"))
         _note(step, env, "stop_ordered", f"placed on {p.cluster} after cancel; stop ordered")
         return step
-    if rec.state.terminal or p.attempt < rec.attempt:
+    if rec.state.terminal or p.attempt < rec.attempt or p.attempt <= rec.ended_attempt:
         return step
     if _rank(rec.state) <= _rank(JobState.PLACED):
         step.record = replace(
@@ -155,7 +160,7 @@ def on_started(rec: JobRecord, p: JobStarted, env: Envelope) -> Step:
         step.emits.append(_stop(rec, env, "canceled"))
         _note(step, env, "stop_ordered", "started after cancel; stop ordered")
         return step
-    if rec.state.terminal or p.attempt < rec.attempt:
+    if rec.state.terminal or p.attempt < rec.attempt or p.attempt <= rec.ended_attempt:
         return step
     step.record = replace(
         rec,
@@ -208,4 +213,58 @@ def on_cancel(rec: JobRecord, p: JobCancelRequested, env: Envelope) -> Step:
         step.emits.append(_stop(rec, env, "canceled"))
         msg = f"cancel requested by {who}; stopping on {rec.cluster}"
     _note(step, env, "canceled", msg)
+    return step
+
+
+def on_preempted(rec: JobRecord, p: JobPreempted, env: Envelope, spec: JobSpec | None) -> Step:
+    """The platform ended the run (node failure, room for a higher claim): the whole gang goes
+    back to the queue with its original submit time, avoiding the nodes that failed. Not
+    charged to any retry budget."""
+    step = Step(rec)
+    if rec.state.terminal or p.attempt != rec.attempt or spec is None:
+        return step
+    if rec.cancel_requested:
+        step.record = replace(
+            rec,
+            state=JobState.CANCELED,
+            reason_code="canceled",
+            message="canceled while it was being stopped",
+            updated_at=env.occurred_at,
+        )
+        step.emits.append(
+            _finish(
+                step.record,
+                env,
+                Outcome.CANCELED,
+                "canceled",
+                "canceled while it was being stopped",
+            )
+        )
+        _note(step, env, p.reason_code, p.message)
+        return step
+    excluded = tuple(dict.fromkeys((*rec.excluded_nodes, *p.failed_nodes)))
+    step.record = replace(
+        rec,
+        state=JobState.QUEUED,
+        requeues=rec.requeues + 1,
+        excluded_nodes=excluded,
+        ended_attempt=p.attempt,
+        updated_at=env.occurred_at,
+    )
+    queued = JobQueued(
+        job_id=rec.job_id,
+        spec=spec,
+        submitted_at=rec.submitted_at,
+        attempt=rec.requeues + 1,
+        requeue_of_attempt=p.attempt,
+        excluded_nodes=list(excluded),
+    )
+    step.emits.append(
+        OutMessage(
+            topics.JOB_QUEUED,
+            rec.job_id,
+            envelope_for("JobQueued", queued, producer=PRODUCER, tenant=rec.tenant, cause=env),
+        )
+    )
+    _note(step, env, p.reason_code, f"{p.message}; requeued (requeue {rec.requeues + 1})")
     return step

@@ -11,6 +11,7 @@ from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
+    JobPreempted,
     JobQueued,
     JobRejected,
     JobStarted,
@@ -58,8 +59,10 @@ def plan_batch(
     idempotency: dict[tuple[str, str], str],
     policy: Policy,
     early_cancels: dict[str, str] | None = None,
+    specs: dict[str, JobSpec] | None = None,
 ) -> Plan:
-    """`early_cancels`: job id -> who asked, for cancels that arrived before their job."""
+    """`early_cancels`: job id -> who asked, for cancels that arrived before their job.
+    `specs`: the stored specs of jobs whose run the platform ended (they are requeued)."""
     plan = Plan()
     inserted: set[str] = set()
     early = dict(early_cancels or {})
@@ -71,7 +74,7 @@ def plan_batch(
         elif isinstance(item, BadJob):
             _plan_bad(plan, item)
         else:
-            _plan_lifecycle(plan, item, records, inserted)
+            _plan_lifecycle(plan, item, records, inserted, specs or {})
     return plan
 
 
@@ -207,7 +210,11 @@ def _plan_bad(plan: Plan, item: BadJob) -> None:
 
 
 def _plan_lifecycle(
-    plan: Plan, item: LifecycleEvent, records: dict[str, JobRecord], inserted: set[str]
+    plan: Plan,
+    item: LifecycleEvent,
+    records: dict[str, JobRecord],
+    inserted: set[str],
+    specs: dict[str, JobSpec],
 ) -> None:
     job_id = str(item.payload.job_id)
     record = records.get(job_id)
@@ -217,7 +224,7 @@ def _plan_lifecycle(
         else:
             plan.unknown_job_events += 1
         return
-    _apply_step(plan, job_id, _transition(record, item), records, inserted)
+    _apply_step(plan, job_id, _transition(record, item, specs.get(job_id)), records, inserted)
 
 
 def _cancel_on_arrival(
@@ -251,8 +258,10 @@ def _apply_step(
     plan.emits.extend(step.emits)
 
 
-def _transition(record: JobRecord, item: LifecycleEvent) -> Step:
+def _transition(record: JobRecord, item: LifecycleEvent, spec: JobSpec | None) -> Step:
     p, env = item.payload, item.envelope
+    if isinstance(p, JobPreempted):
+        return lifecycle.on_preempted(record, p, env, spec)
     if isinstance(p, PlacementDecided):
         return lifecycle.on_placed(record, p, env)
     if isinstance(p, PlacementRefused):

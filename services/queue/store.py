@@ -16,7 +16,7 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 _COLUMNS = (
     "job_id, tenant, state, attempt, cluster, cancel_requested, reason_code, message, "
-    "submitted_at, updated_at"
+    "submitted_at, updated_at, requeues, excluded_nodes, ended_attempt"
 )
 
 
@@ -32,6 +32,9 @@ def _record(row: asyncpg.Record) -> JobRecord:
         message=row["message"],
         submitted_at=row["submitted_at"],
         updated_at=row["updated_at"],
+        requeues=row["requeues"],
+        excluded_nodes=tuple(row["excluded_nodes"]),
+        ended_attempt=row["ended_attempt"],
     )
 
 
@@ -109,11 +112,12 @@ async def update_jobs(conn: asyncpg.Connection, records: Sequence[JobRecord]) ->
     await conn.execute(
         "UPDATE queue.jobs AS j SET state = u.state, attempt = u.attempt, cluster = u.cluster, "
         "cancel_requested = u.cancel_requested, reason_code = u.reason_code, "
-        "message = u.message, updated_at = u.updated_at "
+        "message = u.message, updated_at = u.updated_at, requeues = u.requeues, "
+        "excluded_nodes = string_to_array(u.excluded, ','), ended_attempt = u.ended "
         "FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bool[], $6::text[], "
-        "$7::text[], $8::timestamptz[]) "
-        "AS u(job_id, state, attempt, cluster, cancel_requested, reason_code, message, updated_at)"
-        " WHERE j.job_id = u.job_id",
+        "$7::text[], $8::timestamptz[], $9::int[], $10::text[], $11::int[]) "
+        "AS u(job_id, state, attempt, cluster, cancel_requested, reason_code, message, "
+        "updated_at, requeues, excluded, ended) WHERE j.job_id = u.job_id",
         [r.job_id for r in records],
         [r.state.value for r in records],
         [r.attempt for r in records],
@@ -122,7 +126,21 @@ async def update_jobs(conn: asyncpg.Connection, records: Sequence[JobRecord]) ->
         [r.reason_code for r in records],
         [r.message for r in records],
         [r.updated_at for r in records],
+        [r.requeues for r in records],
+        # unnest cannot take a ragged array of arrays: node ids (no commas) travel joined.
+        [",".join(r.excluded_nodes) for r in records],
+        [r.ended_attempt for r in records],
     )
+
+
+async def job_specs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobSpec]:
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    rows = await conn.fetch(
+        "SELECT job_id, spec FROM queue.jobs WHERE job_id = ANY($1::text[])", ids
+    )
+    return {r["job_id"]: JobSpec.model_validate(json.loads(r["spec"])) for r in rows}
 
 
 async def add_history(conn: asyncpg.Connection, entries: Sequence[HistoryEntry]) -> None:

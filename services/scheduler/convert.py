@@ -43,6 +43,7 @@ def job_request(event: JobQueued) -> JobRequest:
         preemptible=spec.preemptible,
         submit_time=event.submitted_at.timestamp(),
         max_runtime_s=spec.max_runtime_s,
+        excluded_nodes=frozenset(NodeId(n) for n in event.excluded_nodes),
     )
 
 

@@ -24,6 +24,7 @@ from schemas.envelope import Envelope
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
+    JobPreempted,
     JobQueued,
     PendingExplained,
     PlacementDecided,
@@ -44,6 +45,7 @@ FEED_TOPICS = (
     topics.PLACEMENT_DECIDED,
     topics.PLACEMENT_REFUSED,
     topics.JOB_FINISHED,
+    topics.JOB_PREEMPTED,
     topics.NODE_UNHEALTHY,
     topics.NODE_RECOVERED,
 )
@@ -89,6 +91,8 @@ def _apply(state: SchedulerState, topic: str, env: Envelope) -> None:
         state.on_refused(PlacementRefused.model_validate(env.payload))
     elif topic == topics.JOB_FINISHED:
         state.on_finished(JobFinished.model_validate(env.payload))
+    elif topic == topics.JOB_PREEMPTED:
+        state.on_preempted(JobPreempted.model_validate(env.payload))
     elif topic == topics.CLUSTER_CAPACITY:
         state.on_capacity(ClusterCapacity.model_validate(env.payload))
     elif topic == topics.NODE_UNHEALTHY:

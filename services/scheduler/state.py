@@ -10,6 +10,7 @@ from core.model import Allocation, Cluster, ClusterId, JobId, JobRequest, Node, 
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
+    JobPreempted,
     JobQueued,
     PlacementDecided,
     PlacementRefused,
@@ -71,8 +72,18 @@ class SchedulerState:
 
     def on_queued(self, event: JobQueued) -> None:
         job_id = JobId(event.job_id)
-        if job_id in self.finished or job_id in self.running:
+        if job_id in self.finished:
             return
+        known = self.queued.get(job_id)
+        if known is not None and known.attempt > event.attempt:
+            return  # an older queueing, read late
+        if job_id in self.running:
+            ended = event.requeue_of_attempt
+            if ended is None or self.running_attempt[job_id] > ended:
+                return
+            # A requeue after the platform ended this run: its capacity is free even if the
+            # job.preempted that says so has not been read yet.
+            self._free(job_id)
         self.queued[job_id] = event
         self.pending[job_id] = job_request(event)
         self.dirty = True
@@ -93,6 +104,17 @@ class SchedulerState:
             return  # placement seen before its job.queued; the queued event will bring it
         self.running[job_id] = allocation_from_event(event, request, at)
         self.running_attempt[job_id] = event.attempt
+
+    def on_preempted(self, event: JobPreempted) -> None:
+        """The platform ended a run; the queue decides what happens next (job.queued)."""
+        job_id = JobId(event.job_id)
+        if self.running_attempt.get(job_id) == event.attempt:
+            self._free(job_id)
+
+    def _free(self, job_id: JobId) -> None:
+        self.running.pop(job_id, None)
+        self.running_attempt.pop(job_id, None)
+        self.dirty = True
 
     def on_refused(self, event: PlacementRefused) -> None:
         job_id = JobId(event.job_id)

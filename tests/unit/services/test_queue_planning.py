@@ -8,6 +8,7 @@ from schemas import topics
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
+    JobPreempted,
     JobStarted,
     Outcome,
     PlacementDecided,
@@ -166,3 +167,45 @@ def test_a_cancel_that_overtakes_its_job_is_kept_and_applied_on_arrival() -> Non
     plan = plan_batch([new_job("j1")], {}, {}, policy(), early_cancels={"j1": "u"})
     assert [r.state for r, _ in plan.inserts] == [JobState.CANCELED]
     assert topics_of(plan) == [topics.JOB_QUEUED, topics.JOB_FINISHED, topics.JOB_STOP_ORDERED]
+
+
+def preempted(job_id: str, attempt: int = 1) -> LifecycleEvent:
+    p = JobPreempted(
+        job_id=job_id,
+        attempt=attempt,
+        cluster="c1",
+        reason_code="node_failure",
+        message="node n1 failed",
+        failed_nodes=["n1"],
+    )
+    return LifecycleEvent(event("JobPreempted", p, T0 + timedelta(seconds=3)), p)
+
+
+def test_a_run_ended_by_the_platform_is_requeued_avoiding_the_failed_node() -> None:
+    records = {"j1": record("j1", JobState.RUNNING, attempt=1)}
+    plan = plan_batch([preempted("j1")], records, {}, policy(), specs={"j1": spec(job_id="j1")})
+    job = plan.updates["j1"]
+    assert job.state is JobState.QUEUED and job.requeues == 1 and job.excluded_nodes == ("n1",)
+    assert topics_of(plan) == [topics.JOB_QUEUED]
+    queued = plan.emits[0].envelope.payload
+    assert queued["requeue_of_attempt"] == 1 and queued["excluded_nodes"] == ["n1"]
+    assert queued["submitted_at"].startswith("2026-01-01")  # the original submit time
+
+
+def test_late_events_of_an_ended_run_do_not_revive_it() -> None:
+    records = {"j1": record("j1", JobState.RUNNING, attempt=1)}
+    started = lifecycle(
+        "JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c1", nodes=["n1"], started_at=T0)
+    )
+    plan = plan_batch(
+        [preempted("j1"), started], records, {}, policy(), specs={"j1": spec(job_id="j1")}
+    )
+    assert plan.updates["j1"].state is JobState.QUEUED
+
+
+def test_a_cancel_requested_run_that_is_preempted_ends_canceled() -> None:
+    rec = record("j1", JobState.RUNNING, attempt=1)
+    rec.cancel_requested = True
+    plan = plan_batch([preempted("j1")], {"j1": rec}, {}, policy(), specs={"j1": spec(job_id="j1")})
+    assert plan.updates["j1"].state is JobState.CANCELED
+    assert topics_of(plan) == [topics.JOB_FINISHED]

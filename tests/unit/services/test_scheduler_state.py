@@ -5,6 +5,7 @@ from __future__ import annotations
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
+    JobPreempted,
     JobQueued,
     NodeInfo,
     Outcome,
@@ -132,3 +133,36 @@ def test_an_unhealthy_node_stays_out_even_when_the_inventory_is_resent() -> None
     state.dirty = False
     state.on_node_health("n1", healthy=True)
     assert state.nodes["n1"].healthy and state.dirty  # type: ignore[index]
+
+
+def test_a_requeue_frees_the_ended_run_even_before_its_preempted_event() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1"), 1.0)
+    requeue = JobQueued(
+        job_id="j1",
+        spec=spec(job_id="j1"),
+        submitted_at=T0,
+        attempt=1,
+        requeue_of_attempt=1,
+        excluded_nodes=["n0"],
+    )
+    state.on_queued(requeue)
+    assert state.running == {} and list(state.pending) == ["j1"]
+    assert state.pending["j1"].excluded_nodes == frozenset({"n0"})  # type: ignore[index]
+    state.on_queued(queued("j1"))  # the original queueing, read late, changes nothing
+    assert state.pending["j1"].excluded_nodes == frozenset({"n0"})  # type: ignore[index]
+
+
+def test_preempted_frees_only_the_run_it_names() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", attempt=2), 1.0)
+    state.on_preempted(
+        JobPreempted(job_id="j1", attempt=1, cluster="c1", reason_code="x", message="m")
+    )
+    assert list(state.running) == ["j1"]
+    state.on_preempted(
+        JobPreempted(job_id="j1", attempt=2, cluster="c1", reason_code="x", message="m")
+    )
+    assert state.running == {} and state.pending == {}  # the queue decides what comes next
