@@ -139,7 +139,17 @@ def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str)
         private_redis(workdir / "redis") as redis,
         fresh_database(postgres_server_url) as database,
     ):
-        env = {"QM_KAFKA_BOOTSTRAP": kafka, "QM_DATABASE_URL": database, "QM_REDIS_URL": redis}
+        env = {
+            "QM_KAFKA_BOOTSTRAP": kafka,
+            "QM_DATABASE_URL": database,
+            "QM_REDIS_URL": redis,
+            # Health judged in seconds, not minutes, so outages and recoveries fit a test.
+            "QM_HEARTBEAT_INTERVAL_S": "1",
+            "QM_SUSPECT_AFTER_S": "3",
+            "QM_UNHEALTHY_AFTER_S": "5",
+            "QM_MIN_QUARANTINE_S": "1",
+            "QM_CLEAN_PERIOD_S": "2",
+        }
         stack = Stack.start(
             workdir / "state",
             gateway_port=infra.free_port(),
