@@ -112,6 +112,18 @@ def _finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: s
     )
 
 
+def _cancel_now(step: Step, env: Envelope, message: str) -> None:
+    """A cancel was waiting for the run to end; it has: the job ends canceled."""
+    step.record = replace(
+        step.record,
+        state=JobState.CANCELED,
+        reason_code="canceled",
+        message=message,
+        updated_at=env.occurred_at,
+    )
+    step.emits.append(_finish(step.record, env, Outcome.CANCELED, "canceled", message))
+
+
 def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state is JobState.CANCELED or rec.cancel_requested:
@@ -138,16 +150,7 @@ def on_refused(rec: JobRecord, p: PlacementRefused, env: Envelope) -> Step:
     if rec.state is not JobState.PLACED or p.attempt != rec.attempt:
         return step
     if rec.cancel_requested:
-        step.record = replace(
-            rec,
-            state=JobState.CANCELED,
-            reason_code="canceled",
-            message="canceled before it started",
-            updated_at=env.occurred_at,
-        )
-        step.emits.append(
-            _finish(step.record, env, Outcome.CANCELED, "canceled", "canceled before it started")
-        )
+        _cancel_now(step, env, "canceled before it started")
     else:
         step.record = replace(rec, state=JobState.QUEUED, updated_at=env.occurred_at)
     _note(step, env, p.reason_code, p.message)
@@ -224,22 +227,7 @@ def on_preempted(rec: JobRecord, p: JobPreempted, env: Envelope, spec: JobSpec |
     if rec.state.terminal or p.attempt != rec.attempt or spec is None:
         return step
     if rec.cancel_requested:
-        step.record = replace(
-            rec,
-            state=JobState.CANCELED,
-            reason_code="canceled",
-            message="canceled while it was being stopped",
-            updated_at=env.occurred_at,
-        )
-        step.emits.append(
-            _finish(
-                step.record,
-                env,
-                Outcome.CANCELED,
-                "canceled",
-                "canceled while it was being stopped",
-            )
-        )
+        _cancel_now(step, env, "canceled while it was being stopped")
         _note(step, env, p.reason_code, p.message)
         return step
     excluded = tuple(dict.fromkeys((*rec.excluded_nodes, *p.failed_nodes)))
