@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import AbstractContextManager
 
 import structlog
+
+from schemas.envelope import Envelope
 
 
 def configure_logging(service: str, fmt: str = "auto", level: str = "INFO") -> None:
@@ -31,3 +34,13 @@ def configure_logging(service: str, fmt: str = "auto", level: str = "INFO") -> N
     structlog.contextvars.bind_contextvars(service=service)
     # Libraries (aiokafka, uvicorn) log through stdlib logging: keep them quiet but visible.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(message)s")
+
+
+def bind_event(envelope: Envelope, job_id: str | None = None) -> AbstractContextManager[None]:
+    """Bind the job, tenant and trace of the event being handled to every log line inside."""
+    return structlog.contextvars.bound_contextvars(
+        job_id=job_id or envelope.payload.get("job_id"),
+        tenant=envelope.tenant,
+        trace_id=envelope.trace_id,
+        event_id=envelope.event_id,
+    )

@@ -26,6 +26,7 @@ from schemas.events import (
 from schemas.health import NodeRecovered, NodeUnhealthy
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
+from services.common.logging import bind_event
 from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
 from services.executor.nodes import NodeBook
 from services.executor.simulated import simulate
@@ -169,6 +170,8 @@ class Executor:
 
     def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
         self.metrics.refused.labels(code).inc()
+        with bind_event(env, p.job_id):
+            log.info("placement refused", reason=code, detail=msg, attempt=p.attempt)
         refusal = PlacementRefused(
             job_id=p.job_id,
             attempt=p.attempt,
@@ -254,6 +257,9 @@ class Executor:
             return []
         hit = [j for j in self.running.values() if down.node_id in j.nodes]
         message = f"node {down.node_id} failed ({down.cause}) under a replica of this job"
+        log.warning(
+            "node lost; handing its gangs back", node=down.node_id, cause=down.cause, jobs=len(hit)
+        )
         out = []
         for job in hit:
             del self.running[job.job_id]

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import asyncpg
+import structlog
 from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -15,6 +16,8 @@ from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
 from services.queue import store
 from services.queue.intake import NewJob, read_batch
 from services.queue.planning import Plan, item_event_id, item_job_id, plan_batch
+
+log = structlog.get_logger()
 
 
 class QueueMetrics:
@@ -89,6 +92,11 @@ class QueueProcessor:
         return plan
 
     def _count(self, plan: Plan, dead: int, redelivered: int) -> None:
+        for event_id, job_id, tenant, reason, message, _at in plan.rejections:
+            with structlog.contextvars.bound_contextvars(
+                job_id=job_id, tenant=tenant, event_id=event_id
+            ):
+                log.info("job rejected", reason=reason, detail=message)
         self.metrics.admitted.inc(sum(1 for r, _ in plan.inserts if r.state.value == "queued"))
         self.metrics.rejected.inc(len(plan.rejections))
         self.metrics.dead.inc(dead + sum(1 for m in plan.emits if m.topic == "dead.letter"))
