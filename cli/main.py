@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli import jobs, render
+from cli import usage as usage_command
 from cli.client import state_dir
 from cli.errors import QmError, StackError
 from cli.faults import fault_app
@@ -284,6 +285,7 @@ def _follow(path: Path) -> None:
 
 # Registered last so that `qm --help` lists the stack commands first.
 jobs.register(app)
+app.command("usage")(usage_command.usage)
 app.add_typer(fault_app, name="fault")
 
 try:  # the simulator is optional: `qm` works without it

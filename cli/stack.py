@@ -117,7 +117,7 @@ def service_plan(logs: Path, gateway_port: int, clusters: list[str]) -> list[Ser
     plan = [Service("gateway", "services.gateway", gateway_port, logs / "gateway.log")]
     plan += [
         Service(n, f"services.{n}", free_port(), logs / f"{n}.log")
-        for n in ("queue", "scheduler", "health")
+        for n in ("queue", "scheduler", "health", "meter")
     ]
     for cluster in clusters:
         name = "executor-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster)

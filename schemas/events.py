@@ -27,6 +27,7 @@ class RejectReason(StrEnum):
     GANG_TOO_LARGE = "gang_too_large"  # more replicas than the tenant may ask for
     TOO_MANY_ACCELERATORS = "too_many_accelerators"
     DUPLICATE_JOB_ID = "duplicate_job_id"  # another tenant's job already has this id
+    BUDGET_EXHAUSTED = "budget_exhausted"  # a blocking budget of the tenant/project is used up
     DUPLICATE_SUBMISSION = "duplicate_submission"  # same idempotency key as an earlier job
 
 

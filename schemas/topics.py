@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from schemas import events, health
+from schemas import events, health, usage
 from schemas.job import JobSpec
 
 
@@ -179,7 +179,7 @@ TOPICS: tuple[Topic, ...] = (
         "tenant",
         4,
         "UsageTick",
-        None,
+        usage.UsageTick,
         "Metered accelerator-seconds and cost of one allocation over one interval.",
     ),
     Topic(
@@ -187,7 +187,7 @@ TOPICS: tuple[Topic, ...] = (
         "tenant",
         1,
         "BudgetExceeded",
-        None,
+        usage.BudgetExceeded,
         "A tenant or project crossed a budget threshold.",
     ),
     Topic(

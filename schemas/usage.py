@@ -1,5 +1,6 @@
-"""Payloads of the metering topics: `usage.tick` (the stream finance reads), `budget.exceeded`
-and `alert.raised`. docs/metering.md explains how ticks are cut and priced.
+"""Payloads of the metering topics: `usage.tick` (the stream finance reads) and
+`budget.exceeded` (budget alerts go out on `alert.raised` as schemas.health.AlertRaised).
+docs/metering.md explains how ticks are cut and priced.
 
 Seconds are fleet seconds: on the simulated fleet, virtual seconds (QM_TIME_SCALE of them per
 wall-clock second); on a real cluster the two are the same. Timestamps are wall-clock UTC.
@@ -73,7 +74,10 @@ class UsageTick(Payload):
     unit_price: float = Field(description="Price per accelerator-hour.")
     cost: float = Field(description="accelerator_seconds / 3600 x unit_price, same rounding rule.")
     currency: str = "USD"
-    outcome: str | None = Field(default=None, description="On close ticks: how the run ended.")
+    outcome: str | None = Field(
+        default=None,
+        description="On close ticks, how the run ended: succeeded, failed, canceled or preempted.",
+    )
 
 
 class BudgetUnit(StrEnum):
@@ -106,22 +110,3 @@ class BudgetExceeded(Payload):
     )
     crossed_at: datetime
     message: str
-
-
-class AlertSeverity(StrEnum):
-    INFO = "info"
-    WARNING = "warning"
-    CRITICAL = "critical"
-
-
-class AlertRaised(Payload):
-    """Something an operator (or a tenant's owner) should see."""
-
-    alert_id: str = Field(description="Stable id: the same alert raised twice has the same id.")
-    subject: str = Field(description="What it is about (partition key), e.g. budget/<id>.")
-    severity: AlertSeverity
-    source: str = Field(description="Service that raised it.")
-    code: str = Field(description="Machine-readable kind, e.g. budget_threshold.")
-    message: str
-    tenant: str | None = None
-    labels: dict[str, str] = Field(default_factory=dict)

@@ -11,7 +11,7 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import explain, routes, store
+from services.gateway import explain, routes, store, usage
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
 from services.gateway.explain import record_explanations
@@ -34,12 +34,25 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = create_http_app(runtime, description=DESCRIPTION, version="1")
     app.include_router(routes.router)
     app.include_router(explain.router)
+    app.include_router(usage.router)
     holder: dict[str, Projector] = {}
 
     committer = OffsetCommitter()
 
     async def handle(records: Records) -> None:
         await holder["projector"].process(records)
+
+    async def usage_ticks(records: Records) -> None:
+        await app.state.usage.process(records)
+
+    consume_batches(
+        broker,
+        *usage.USAGE_TOPICS,
+        group_id=f"{settings.group_id}-usage",
+        settings=settings,
+        handle=usage_ticks,
+        committer=committer,
+    )
 
     async def explanations(records: Records) -> None:
         await record_explanations(app.state.gateway.pool, records)
@@ -67,6 +80,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         await store.migrate_gateway(pool)
         redis = Redis.from_url(settings.redis_url)
         holder["projector"] = Projector(pool, redis)
+        app.state.usage = usage.UsageProjector(pool)
         app.state.gateway = Gateway(settings, pool, redis, broker, policy, tokens)
         runtime.background(committer.run_forever)
         await broker.start()

@@ -22,8 +22,9 @@ from services.meter.budgets import parse_config
 from services.meter.handlers import Meter, MeterMetrics
 from services.meter.intake import TOPICS
 from services.meter.pricing import price_book
+from services.meter.publisher import BatchPublisher, relay_producer
 from services.meter.settings import MeterSettings
-from services.meter.ticks import Grid, dec
+from services.meter.ticks import Grid
 
 NAME = "meter"
 
@@ -31,11 +32,12 @@ NAME = "meter"
 def create_app(settings: MeterSettings | None = None) -> FastAPI:
     settings = settings or MeterSettings()
     runtime = Runtime(NAME, settings)
+    # The broker only consumes: ticks go out through the relay's own producer (publisher.py).
     broker = make_broker(settings, NAME, runtime.registry)
     policy = load_policy(settings.policy_file)
     book = price_book(read_yaml(settings.fleet_file), policy)
     config = parse_config(read_yaml(settings.budgets_file))
-    grid = Grid(dec(settings.meter_interval_s), dec(settings.time_scale))
+    grid = Grid.of(settings.meter_interval_s, settings.time_scale)
     metrics = MeterMetrics(runtime.registry)
     state: dict[str, Meter] = {}
     committer = OffsetCommitter()
@@ -66,8 +68,9 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
     async def start() -> None:
         pool = await create_pool(settings.database_url, settings.db_pool_size)
         await store.migrate_meter(pool)
-        await broker.connect()
-        relay = OutboxRelay(pool, broker, store.SCHEMA)
+        producer = relay_producer(settings.kafka_bootstrap, f"{NAME}-relay")
+        await producer.start()
+        relay = OutboxRelay(pool, BatchPublisher(producer), store.SCHEMA)  # type: ignore[arg-type]
         await relay.flush()  # anything a crash left behind goes out before new work
         meter = Meter(
             pool,
@@ -78,7 +81,7 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
             metrics,
             lag_s=settings.meter_lag_s,
             idle_lag_s=settings.meter_idle_lag_s,
-            max_intervals_per_pass=settings.meter_max_intervals_per_pass,
+            max_ticks_per_pass=settings.meter_max_ticks_per_pass,
             max_idle_backfill=settings.meter_max_idle_backfill,
         )
         await meter.restore()
@@ -91,11 +94,11 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
         async def close() -> None:
             await committer.flush()
             await broker.stop()
+            await producer.stop()
             await pool.close()
 
         runtime.on_shutdown(close)
 
     app = create_http_app(runtime)
     app.state.runtime = runtime
-    app.state.state = state
     return app

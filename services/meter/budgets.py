@@ -13,20 +13,20 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from schemas.health import AlertRaised, Severity
 from schemas.usage import (
-    AlertRaised,
-    AlertSeverity,
     BudgetExceeded,
     BudgetUnit,
     Enforcement,
     TickKind,
+    budget_month,
 )
 from services.meter.overhead import OverheadMode, OverheadPolicy
-from services.meter.ticks import HOUR, ZERO, Tick, dec
+from services.meter.ticks import Tick, decimal
 
 DEFAULT_THRESHOLDS = (Decimal(50), Decimal(80), Decimal(100))
-# (tenant, project) -> (accelerator-seconds, cost) in one month
-Totals = Mapping[tuple[str, str], tuple[Decimal, Decimal]]
+# (tenant, project) -> (accelerator-seconds, cost) in one month, in millionths
+Totals = Mapping[tuple[str, str], tuple[int, int]]
 
 
 class ConfigError(ValueError):
@@ -55,29 +55,28 @@ class MeterConfig:
     budgets: tuple[Budget, ...] = ()
 
 
-def month_of(at: datetime) -> str:
-    return f"{at.year:04d}-{at.month:02d}"
-
-
 def used(budget: Budget, totals: Totals) -> Decimal:
     """The budget's consumption in its own unit."""
-    seconds, cost = ZERO, ZERO
+    seconds, cost = 0, 0
     for (tenant, project), (s, c) in totals.items():
         if budget.covers(tenant, project):
             seconds += s
             cost += c
-    return seconds / HOUR if budget.unit is BudgetUnit.ACCELERATOR_HOURS else cost
+    if budget.unit is BudgetUnit.ACCELERATOR_HOURS:
+        return decimal(seconds) / 3600
+    return decimal(cost)
 
 
-def usage_deltas(ticks: Iterable[Tick]) -> dict[tuple[str, str, str], tuple[Decimal, Decimal]]:
-    """What new ticks add to each (tenant, project, month) counter; idle capacity is not usage."""
-    out: dict[tuple[str, str, str], tuple[Decimal, Decimal]] = {}
+def usage_deltas(ticks: Iterable[Tick]) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """What new ticks add to each (tenant, project, month) counter (accelerator-seconds and
+    cost, in millionths); idle capacity is not usage."""
+    out: dict[tuple[str, str, str], tuple[int, int]] = {}
     for t in ticks:
         if t.kind is TickKind.IDLE:
             continue
-        key = (t.tenant, t.project, month_of(t.interval_start))
-        s, c = out.get(key, (ZERO, ZERO))
-        out[key] = (s + t.accelerator_seconds, c + t.cost)
+        key = (t.tenant, t.project, budget_month(t.interval_start))
+        s, c = out.get(key, (0, 0))
+        out[key] = (s + t.accelerator_seconds_u, c + t.cost_u)
     return out
 
 
@@ -94,10 +93,12 @@ def _scope(b: Budget) -> str:
     return f"tenant {b.tenant!r}" + (f" project {b.project!r}" if b.project else "")
 
 
-def _amount(b: Budget, value: Decimal, currency: str) -> str:
-    if b.unit is BudgetUnit.ACCELERATOR_HOURS:
-        return f"{value:,.1f} accelerator-hours"
-    return f"{value:,.2f} {currency}"
+def _number(b: Budget, value: Decimal) -> str:
+    return f"{value:,.1f}" if b.unit is BudgetUnit.ACCELERATOR_HOURS else f"{value:,.2f}"
+
+
+def _unit(b: Budget, currency: str) -> str:
+    return "accelerator-hour" if b.unit is BudgetUnit.ACCELERATOR_HOURS else currency
 
 
 def exceeded(
@@ -111,8 +112,8 @@ def exceeded(
     # Enforcement starts when the budget is used up; lower thresholds are early warnings.
     enforced = threshold >= 100
     message = (
-        f"{_scope(b)} used {_amount(b, consumption, currency)} of its "
-        f"{_amount(b, b.limit, currency)} budget for {month} ({threshold:g}% threshold)"
+        f"{_scope(b)} used {_number(b, consumption)} of its {_number(b, b.limit)} "
+        f"{_unit(b, currency)} budget for {month} ({threshold:g}% threshold)"
         + (f"; {then}" if enforced else "")
     )
     return BudgetExceeded(
@@ -133,29 +134,21 @@ def exceeded(
 
 
 def alert_for(event: BudgetExceeded, source: str) -> AlertRaised:
+    """The operator's alert for a crossed threshold, in the shape alert.raised carries (it is
+    not about a node or a cluster: `cluster` is empty)."""
     pct = event.threshold_pct
-    severity = (
-        AlertSeverity.CRITICAL
-        if pct >= 100
-        else AlertSeverity.WARNING
-        if pct >= 80
-        else AlertSeverity.INFO
-    )
+    severity = Severity.CRITICAL if pct >= 100 else Severity.WARNING if pct >= 80 else Severity.INFO
+    who = f"--tenant {event.tenant}" + (" -g project" if event.project else "")
     return AlertRaised(
         alert_id=f"budget/{event.budget_id}/{event.month}/{pct:g}",
-        subject=f"budget/{event.budget_id}",
         severity=severity,
-        source=source,
-        code="budget_threshold",
-        message=event.message,
-        tenant=event.tenant,
-        labels={
-            "budget_id": event.budget_id,
-            "month": event.month,
-            "threshold_pct": f"{pct:g}",
-            "enforcement": event.enforcement.value,
-            **({"project": event.project} if event.project else {}),
-        },
+        subject=f"budget/{event.budget_id}",
+        cluster="",
+        cause=f"budget_{pct:g}pct",
+        suggested_action=f"{event.message}. See `qm usage {who}`; to allow more, raise "
+        f"budget {event.budget_id} in the budgets file ({source} reads it at start).",
+        first_seen=event.crossed_at,
+        count=1,
     )
 
 
@@ -241,4 +234,4 @@ def _positive(value: Any, where: str) -> Decimal:
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if value <= 0:
         raise ConfigError(f"{where}: must be positive, got {value!r}")
-    return dec(value)
+    return Decimal(str(value))

@@ -6,13 +6,15 @@ from interleaving, so memory (the open runs) always equals the store after a com
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
 from aiokafka import ConsumerRecord
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Counter as Metric
 
 from schemas.envelope import utcnow
 from schemas.usage import BudgetExceeded, TickKind
@@ -29,28 +31,30 @@ from services.meter.budgets import (
 )
 from services.meter.emit import budget_messages, tick_messages
 from services.meter.intake import read_batch
-from services.meter.overhead import idle_ticks
+from services.meter.overhead import idle_ticks, usage_by_interval
 from services.meter.pricing import Pool, PriceBook, PriceKey
 from services.meter.runs import Phase, RunKey, RunState, apply_facts, bill_open, fact_key
 from services.meter.ticks import Grid, Tick
 
+CLOSE = TickKind.CLOSE
+
 
 class MeterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.ticks = Counter(
+        self.ticks = Metric(
             "qm_meter_ticks_written_total", "Ticks new to the ledger", ["kind"], registry=registry
         )
-        self.credits = Counter(
+        self.credits = Metric(
             "qm_meter_credit_ticks_total",
             "Close ticks with negative seconds (a run ended inside time already billed)",
             registry=registry,
         )
         self.open_runs = Gauge("qm_meter_open_runs", "Runs billed by the clock", registry=registry)
-        self.duplicates = Counter(
+        self.duplicates = Metric(
             "qm_meter_duplicates_total", "Redelivered events skipped", registry=registry
         )
-        self.dead = Counter("qm_meter_dead_letters_total", "Unreadable records", registry=registry)
-        self.budget_events = Counter(
+        self.dead = Metric("qm_meter_dead_letters_total", "Unreadable records", registry=registry)
+        self.budget_events = Metric(
             "qm_meter_budget_thresholds_total", "Budget thresholds announced", registry=registry
         )
         self.unpriced = Gauge(
@@ -72,7 +76,7 @@ class Meter:
         *,
         lag_s: float,
         idle_lag_s: float,
-        max_intervals_per_pass: int,
+        max_ticks_per_pass: int,
         max_idle_backfill: int,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
@@ -84,7 +88,7 @@ class Meter:
         self.metrics = metrics
         self.lag = timedelta(seconds=lag_s)
         self.idle_lag = timedelta(seconds=idle_lag_s)
-        self.max_intervals_per_pass = max_intervals_per_pass
+        self.max_ticks_per_pass = max_ticks_per_pass
         self.max_idle_backfill = max_idle_backfill
         self.clock = clock
         self.open: dict[RunKey, RunState] = {}
@@ -146,19 +150,18 @@ class Meter:
         last = self.grid.closed_through(now - self.lag)
         with self.metrics.tick_pass.time():
             async with self._lock:
-                changed, ticks, held = bill_open(
-                    self.open.values(), last, self.grid, self.max_intervals_per_pass
-                )
+                # A pass is one transaction: share its size out over the open runs.
+                per_run = max(1, self.max_ticks_per_pass // max(1, len(self.open)))
+                changed, ticks, held = bill_open(self.open.values(), last, self.grid, per_run)
                 # Idle needs every usage tick of its interval: not while runs are catching up.
                 idle = None if held else self._idle_range(now)
                 if not ticks and idle is None:
                     return held
                 async with self.pool.acquire() as conn, conn.transaction():
-                    new = await store.insert_ticks(conn, ticks)
+                    new = await self._record(conn, ticks)
                     await store.save_billed(conn, changed)
-                    if idle is not None:
-                        ticks_idle = await self._idle(conn, *idle)
-                        new += await store.insert_ticks(conn, ticks_idle)
+                    if idle is not None:  # after this pass's usage is counted
+                        new += await self._record(conn, await self._idle(conn, *idle))
                         await store.set_idle_through(conn, idle[1])
                     staged = await self._announce(conn, new, [])
                 self.relay.committed(staged)
@@ -186,20 +189,25 @@ class Meter:
 
     # --- writing ---------------------------------------------------------------------------
 
+    async def _record(self, conn: asyncpg.Connection, ticks: list[Tick]) -> list[Tick]:
+        """Ledger and per-interval usage; returns the ticks new to the ledger."""
+        new = await store.insert_ticks(conn, ticks)
+        await store.add_interval_usage(conn, usage_by_interval(new))
+        return new
+
     async def _write(
         self, conn: asyncpg.Connection, ticks: list[Tick], extra: list[OutMessage]
     ) -> Staged:
-        return await self._announce(conn, await store.insert_ticks(conn, ticks), extra)
+        return await self._announce(conn, await self._record(conn, ticks), extra)
 
     async def _announce(
         self, conn: asyncpg.Connection, new: list[Tick], extra: list[OutMessage]
     ) -> Staged:
         """Budget counters and the outbox for ticks new to the ledger (a replay adds none)."""
         budget_events = await self._budgets(conn, new)
-        for t in new:
-            self.metrics.ticks.labels(t.kind.value).inc()
-            if t.kind is TickKind.CLOSE and t.seconds < 0:
-                self.metrics.credits.inc()
+        for kind, n in Counter(t.kind for t in new).items():
+            self.metrics.ticks.labels(kind).inc(n)
+        self.metrics.credits.inc(sum(1 for t in new if t.kind is CLOSE and t.seconds_u < 0))
         self.metrics.budget_events.inc(len(budget_events))
         messages = [
             *extra,

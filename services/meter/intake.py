@@ -12,6 +12,7 @@ from schemas import topics
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
+    JobPreempted,
     JobStarted,
     PlacementDecided,
     PlacementRefused,
@@ -20,7 +21,7 @@ from schemas.validation import describe_validation_error
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage
 from services.meter.runs import Capacity, Fact, Finished, Placed, Refused, Started
-from services.meter.ticks import dec
+from services.meter.ticks import micros
 
 CONSUMER = "meter"
 
@@ -29,6 +30,7 @@ PAYLOADS: dict[str, type[BaseModel]] = {
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
+    topics.JOB_PREEMPTED: JobPreempted,
     topics.CLUSTER_CAPACITY: ClusterCapacity,
 }
 TOPICS = tuple(PAYLOADS)
@@ -57,7 +59,14 @@ def _fact(payload: Any, producer: str) -> Fact | None:
             return None  # ended before any run: nothing to meter
         measured = producer.startswith("executor") or payload.ran_s > 0
         return Finished(
-            payload.job_id, payload.attempt, dec(payload.ran_s), payload.outcome.value, measured
+            payload.job_id, payload.attempt, micros(payload.ran_s), payload.outcome.value, measured
+        )
+    if isinstance(payload, JobPreempted):
+        # The platform ended the run (node failure, room for a higher claim); the job is
+        # requeued and its next attempt is another run.
+        measured = producer.startswith("executor") or payload.ran_s > 0
+        return Finished(
+            payload.job_id, payload.attempt, micros(payload.ran_s), "preempted", measured
         )
     if isinstance(payload, ClusterCapacity):
         return Capacity(payload)

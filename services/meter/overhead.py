@@ -10,14 +10,13 @@ still reported, at price 0, so fleet efficiency sees them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 from enum import StrEnum
 
 from schemas.usage import TickKind
 from services.meter.pricing import Pool, PriceKey
-from services.meter.ticks import HOUR, ZERO, Grid, Tick, q6
+from services.meter.ticks import MICRO, Grid, Tick, rdiv
 
 IDLE = "_idle"  # project and user of idle ticks
 
@@ -34,17 +33,29 @@ class OverheadPolicy:
     costed_tiers: frozenset[str] = frozenset({"reserved"})
 
 
-# pool -> tenant -> accelerator-seconds allocated in one interval
-Allocated = Mapping[PriceKey, Mapping[str, Decimal]]
+# pool -> tenant -> accelerator-seconds (millionths) allocated in one interval
+Allocated = Mapping[PriceKey, Mapping[str, int]]
+# accelerator-seconds_u x price_u / _IDLE_COST = cost in millionths
+_IDLE_COST = 3600 * MICRO
 
 
-def split(amount: Decimal, weights: Mapping[str, Decimal]) -> dict[str, Decimal]:
-    """`amount` in proportion to `weights`, rounded to a millionth; the largest weight takes
-    the rounding remainder so the parts add up to `amount` exactly."""
-    total = sum(weights.values(), ZERO)
+def usage_by_interval(ticks: Iterable[Tick]) -> dict[tuple[int, str, str, str, str], int]:
+    """Usage accelerator-seconds of new ticks per (interval, cluster, type, tier, tenant)."""
+    out: dict[tuple[int, str, str, str, str], int] = {}
+    for t in ticks:
+        if t.kind is not TickKind.IDLE:
+            key = (t.interval_index, t.cluster, t.accelerator_type, t.price_tier, t.tenant)
+            out[key] = out.get(key, 0) + t.accelerator_seconds_u
+    return out
+
+
+def split(amount: int, weights: Mapping[str, int]) -> dict[str, int]:
+    """`amount` in proportion to `weights` (all positive); the largest weight takes the
+    rounding remainder so the parts add up to `amount` exactly."""
+    total = sum(weights.values())
     names = sorted(weights, key=lambda n: (-weights[n], n))
-    parts = {n: q6(amount * weights[n] / total) for n in names[1:]}
-    parts[names[0]] = amount - sum(parts.values(), ZERO)
+    parts = {n: rdiv(amount * weights[n], total) for n in names[1:]}
+    parts[names[0]] = amount - sum(parts.values())
     return parts
 
 
@@ -55,12 +66,12 @@ def idle_ticks(
     out: list[Tick] = []
     for pool in sorted(pools, key=lambda p: p.key):
         used = {t: s for t, s in allocated.get(pool.key, {}).items() if s > 0}
-        capacity = pool.accelerators * grid.interval_s
-        idle = capacity - sum(used.values(), ZERO)
+        capacity = pool.accelerators * grid.interval_u  # accelerator-seconds, in millionths
+        idle = capacity - sum(used.values())
         if idle <= 0:
             continue
         costed = pool.price_tier in policy.costed_tiers
-        price = pool.unit_price if costed else ZERO
+        price = pool.unit_price_u if costed else 0
         if policy.mode is OverheadMode.CHARGEBACK and costed and used:
             parts = split(idle, used)
         else:
@@ -71,7 +82,7 @@ def idle_ticks(
 
 
 def _tick(
-    index: int, pool: Pool, tenant: str, accelerator_seconds: Decimal, price: Decimal, grid: Grid
+    index: int, pool: Pool, tenant: str, accelerator_seconds_u: int, price_u: int, grid: Grid
 ) -> Tick:
     run_id = f"idle/{pool.cluster}/{pool.accelerator_type}"
     return Tick(
@@ -86,14 +97,14 @@ def _tick(
         cluster=pool.cluster,
         accelerator_type=pool.accelerator_type,
         price_tier=pool.price_tier,
-        count=q6(accelerator_seconds / grid.interval_s),
+        count_u=rdiv(accelerator_seconds_u * MICRO, grid.interval_u),
         interval_index=index,
         interval_start=grid.wall(grid.start(index)),
         interval_end=grid.wall(grid.start(index + 1)),
-        start_offset_s=ZERO,
-        end_offset_s=grid.interval_s,
-        seconds=grid.interval_s,
-        accelerator_seconds=accelerator_seconds,
-        unit_price=price,
-        cost=q6(accelerator_seconds * price / HOUR),
+        start_offset_u=0,
+        end_offset_u=grid.interval_u,
+        seconds_u=grid.interval_u,
+        accelerator_seconds_u=accelerator_seconds_u,
+        unit_price_u=price_u,
+        cost_u=rdiv(accelerator_seconds_u * price_u, _IDLE_COST),
     )

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any
 
 from core.fleet import load_fleet
 from core.policy import Policy
 from schemas.events import ClusterCapacity, ReplicaAssignment
-from services.meter.ticks import ZERO, Share, dec
+from services.meter.ticks import Share, micros
 
 DEFAULT_TIER = "on_demand"
 PriceKey = tuple[str, str, str]  # cluster, accelerator type, tier
@@ -31,7 +30,7 @@ class Pool:
     accelerator_type: str
     price_tier: str
     accelerators: int
-    unit_price: Decimal
+    unit_price_u: int
 
     @property
     def key(self) -> PriceKey:
@@ -41,15 +40,16 @@ class Pool:
 @dataclass
 class PriceBook:
     node_tiers: dict[str, str] = field(default_factory=dict)
-    configured: dict[PriceKey, Decimal] = field(default_factory=dict)
-    announced: dict[PriceKey, Decimal] = field(default_factory=dict)
-    fallback: dict[tuple[str, str], Decimal] = field(default_factory=dict)
+    # prices per accelerator-hour, in millionths
+    configured: dict[PriceKey, int] = field(default_factory=dict)
+    announced: dict[PriceKey, int] = field(default_factory=dict)
+    fallback: dict[tuple[str, str], int] = field(default_factory=dict)
     unpriced: set[PriceKey] = field(default_factory=set)
 
     def tier(self, node_id: str) -> str:
         return self.node_tiers.get(node_id, DEFAULT_TIER)
 
-    def price(self, cluster: str, accelerator_type: str, tier: str) -> Decimal:
+    def price(self, cluster: str, accelerator_type: str, tier: str) -> int:
         key = (cluster, accelerator_type, tier)
         for table in (self.configured, self.announced):
             if key in table:
@@ -57,15 +57,15 @@ class PriceBook:
         if (accelerator_type, tier) in self.fallback:
             return self.fallback[(accelerator_type, tier)]
         self.unpriced.add(key)  # billed at 0 and reported, rather than refusing to meter
-        return ZERO
+        return 0
 
     def shares(
         self, cluster: str, accelerator_type: str, replicas: list[ReplicaAssignment]
     ) -> tuple[Share, ...]:
         """A placement's accelerators grouped by the price tier of the nodes they are on."""
-        counts: dict[str, Decimal] = defaultdict(lambda: ZERO)
+        counts: dict[str, int] = defaultdict(int)
         for r in replicas:
-            counts[self.tier(r.node_id)] += dec(r.accelerators)
+            counts[self.tier(r.node_id)] += micros(r.accelerators)
         return tuple(
             Share(tier, count, self.price(cluster, accelerator_type, tier))
             for tier, count in sorted(counts.items())
@@ -75,7 +75,7 @@ class PriceBook:
         """Take in an executor's inventory; return the cluster's pools."""
         for type_name, tiers in capacity.prices.items():
             for tier, price in tiers.items():
-                self.announced[(capacity.cluster, type_name, tier)] = dec(price)
+                self.announced[(capacity.cluster, type_name, tier)] = micros(price)
         totals: dict[tuple[str, str], int] = defaultdict(int)
         for node in capacity.nodes:
             self.node_tiers.setdefault(node.node_id, node.price_tier)
@@ -92,9 +92,9 @@ def price_book(fleet_doc: Mapping[str, Any], policy: Policy) -> PriceBook:
     return PriceBook(
         node_tiers={str(n.node_id): n.price_tier.value for n in nodes.values()},
         configured={
-            (str(c.cluster_id), type_name, tier.value): dec(price)
+            (str(c.cluster_id), type_name, tier.value): micros(price)
             for c in clusters.values()
             for (type_name, tier), price in c.prices.items()
         },
-        fallback={(t, tier.value): dec(p) for (t, tier), p in policy.prices.items()},
+        fallback={(t, tier.value): micros(p) for (t, tier), p in policy.prices.items()},
     )

@@ -6,7 +6,7 @@ its start (when) are known -- they travel on different topics and may arrive in 
 -- and closes on its end (how long it ran, as the executor measured it). A JobFinished from
 anyone but an executor that says the run lasted 0 s is the queue's bookkeeping for a job that
 never ran; it closes nothing, so a race between a cancel and a start cannot erase a real run.
-A future `job.preempted` closes a run the same way a JobFinished does (see docs/metering.md).
+A `job.preempted` (node failure, room for a higher claim) closes a run the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from decimal import Decimal
 from enum import StrEnum
 
 from schemas.events import ClusterCapacity, ReplicaAssignment
@@ -65,7 +64,7 @@ class Started:
 class Finished:
     job_id: str
     attempt: int
-    ran_s: Decimal
+    ran_u: int  # fleet microseconds it ran
     outcome: str
     measured: bool  # by an executor (or anyone reporting a run time): it may close a run
 
@@ -101,7 +100,7 @@ class RunState:
     placements: tuple[Placement, ...] = ()
     started_at: datetime | None = None
     nodes: tuple[str, ...] = ()
-    ran_s: Decimal | None = None
+    ran_u: int | None = None
     outcome: str | None = None
     run: Run | None = None
 
@@ -139,8 +138,8 @@ def apply_facts(
         state, ticks = advance(_take(before, fact, book), grid)
         if state != before:
             out.states[key] = state
-            out.opened += before.phase is not Phase.OPEN and state.phase is Phase.OPEN
-            out.closed += before.phase is not Phase.CLOSED and state.phase is Phase.CLOSED
+            out.opened += int(before.phase is Phase.PENDING and state.phase is not Phase.PENDING)
+            out.closed += int(before.phase is not Phase.CLOSED and state.phase is Phase.CLOSED)
         out.ticks.extend(ticks)
     return out
 
@@ -170,9 +169,9 @@ def _take(st: RunState, fact: Fact, book: PriceBook) -> RunState:
             return st
         return replace(st, started_at=fact.started_at, nodes=tuple(sorted(fact.nodes)))
     if isinstance(fact, Finished):
-        if st.ran_s is not None or not fact.measured:
+        if st.ran_u is not None or not fact.measured:
             return st
-        return replace(st, ran_s=fact.ran_s, outcome=fact.outcome)
+        return replace(st, ran_u=fact.ran_u, outcome=fact.outcome)
     return st
 
 
@@ -203,8 +202,8 @@ def advance(st: RunState, grid: Grid) -> tuple[RunState, list[Tick]]:
                 start_v=grid.virtual(st.started_at),
             )
             st = replace(st, phase=Phase.OPEN, run=run, placements=(p,))
-    if st.phase is Phase.OPEN and st.ran_s is not None and st.run is not None:
-        ticks = close_run(st.run, st.ran_s, grid, st.outcome)
+    if st.phase is Phase.OPEN and st.ran_u is not None and st.run is not None:
+        ticks = close_run(st.run, st.ran_u, grid, st.outcome)
         return replace(st, phase=Phase.CLOSED, placements=()), ticks
     return st, []
 
@@ -221,7 +220,7 @@ def bill_open(
     for st in states:
         if st.run is None or st.phase is not Phase.OPEN:
             continue
-        first = grid.index(st.run.start_v + st.run.billed_s)
+        first = grid.index(st.run.start_v + st.run.billed_u)
         through = min(last_index, first + max_intervals - 1)
         held_back |= through < last_index
         run, new = bill_through(st.run, through, grid)

@@ -21,8 +21,8 @@ class MeterSettings(ServiceSettings):
     # After a restart, wait this long (at most) for the backlog of lifecycle events before
     # billing open runs by the clock.
     meter_startup_grace_s: float = 10.0
-    # Catching up after downtime: at most this many intervals per run per pass.
-    meter_max_intervals_per_pass: int = 500
+    # Catching up after downtime: at most about this many ticks per clock pass (transaction).
+    meter_max_ticks_per_pass: int = 20_000
     meter_max_idle_backfill: int = 10_000
     # Lifecycle events are not on any job's critical path.
     fetch_max_wait_ms: int = 40

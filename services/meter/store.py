@@ -15,7 +15,7 @@ import asyncpg
 from services.common.db import migrate
 from services.meter.pricing import Pool, PriceKey
 from services.meter.runs import Phase, Placement, RunKey, RunState
-from services.meter.ticks import ZERO, Run, Share, Tick
+from services.meter.ticks import Run, Share, Tick
 
 SCHEMA = "meter"
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -32,23 +32,29 @@ _TICK_COLUMNS = (
     ("cluster", "text"),
     ("accelerator_type", "text"),
     ("price_tier", "text"),
-    ("count", "numeric"),
+    ("count_u", "bigint"),
     ("interval_index", "bigint"),
     ("interval_start", "timestamptz"),
     ("interval_end", "timestamptz"),
-    ("start_offset_s", "numeric"),
-    ("end_offset_s", "numeric"),
-    ("seconds", "numeric"),
-    ("accelerator_seconds", "numeric"),
-    ("unit_price", "numeric"),
-    ("cost", "numeric"),
+    ("start_offset_u", "bigint"),
+    ("end_offset_u", "bigint"),
+    ("seconds_u", "bigint"),
+    ("accelerator_seconds_u", "bigint"),
+    ("unit_price_u", "bigint"),
+    ("cost_u", "bigint"),
     ("outcome", "text"),
 )
-_ARRAYS = ", ".join(f"${i}::{t}[]" for i, (_, t) in enumerate(_TICK_COLUMNS, 1))
-_INSERT_TICKS = (
+_COLUMN_NAMES = [c.strip('"') for c, _ in _TICK_COLUMNS]
+# COPY encodes rows far faster than 22 unnest() arrays; a replay goes through a staging table
+# and an INSERT that skips the ticks already in the ledger.
+_STAGING = (
+    "CREATE TEMP TABLE IF NOT EXISTS ledger_in (LIKE meter.ledger INCLUDING DEFAULTS) "
+    "ON COMMIT DELETE ROWS"
+)
+_INSERT_STAGED = (
     f"INSERT INTO {SCHEMA}.ledger ({', '.join(c for c, _ in _TICK_COLUMNS)}) "
-    f"SELECT * FROM unnest({_ARRAYS})"
-    " ON CONFLICT (tick_id) DO NOTHING RETURNING tick_id"
+    f"SELECT {', '.join(c for c, _ in _TICK_COLUMNS)} FROM ledger_in "
+    "ON CONFLICT (tick_id) DO NOTHING RETURNING tick_id"
 )
 
 
@@ -60,51 +66,62 @@ async def migrate_meter(pool: asyncpg.Pool) -> list[str]:
 
 
 async def insert_ticks(conn: asyncpg.Connection, ticks: Sequence[Tick]) -> list[Tick]:
-    """Write ticks; return those not in the ledger before (a replay returns none)."""
+    """Write ticks; return those not in the ledger before (a replay returns none). Must run
+    inside a transaction.
+
+    Ticks are nearly always new (the run state says what was billed), so they are COPYed
+    straight in; only if that hits a tick already there (a replay after a crash) does it go
+    through a staging table and an INSERT that skips the known ones.
+    """
     if not ticks:
         return []
-    columns: list[list[Any]] = [
-        [t.tick_id for t in ticks],
-        [t.kind.value for t in ticks],
-        [t.run_id for t in ticks],
-        [t.job_id for t in ticks],
-        [t.attempt for t in ticks],
-        [t.tenant for t in ticks],
-        [t.project for t in ticks],
-        [t.user for t in ticks],
-        [t.cluster for t in ticks],
-        [t.accelerator_type for t in ticks],
-        [t.price_tier for t in ticks],
-        [t.count for t in ticks],
-        [t.interval_index for t in ticks],
-        [t.interval_start for t in ticks],
-        [t.interval_end for t in ticks],
-        [t.start_offset_s for t in ticks],
-        [t.end_offset_s for t in ticks],
-        [t.seconds for t in ticks],
-        [t.accelerator_seconds for t in ticks],
-        [t.unit_price for t in ticks],
-        [t.cost for t in ticks],
-        [t.outcome for t in ticks],
-    ]
-    rows = await conn.fetch(_INSERT_TICKS, *columns)
-    fresh = {r["tick_id"] for r in rows}
+    records = list(ticks)  # a Tick is a tuple in column order (TickKind is a str)
+    try:
+        async with conn.transaction():  # a savepoint: a duplicate undoes only the COPY
+            await conn.copy_records_to_table(
+                "ledger", schema_name=SCHEMA, columns=_COLUMN_NAMES, records=records
+            )
+        return list(ticks)
+    except asyncpg.UniqueViolationError:
+        pass
+    await conn.execute(_STAGING)
+    await conn.copy_records_to_table("ledger_in", columns=_COLUMN_NAMES, records=records)
+    fresh = {r["tick_id"] for r in await conn.fetch(_INSERT_STAGED)}
     return [t for t in ticks if t.tick_id in fresh]
+
+
+async def add_interval_usage(
+    conn: asyncpg.Connection, usage: dict[tuple[int, str, str, str, str], int]
+) -> None:
+    """usage: (interval, cluster, type, tier, tenant) -> accelerator-seconds (millionths)."""
+    if not usage:
+        return
+    keys = sorted(usage)  # a stable lock order
+    await conn.execute(
+        "INSERT INTO meter.interval_usage AS u (interval_index, cluster, accelerator_type, "
+        "price_tier, tenant, accelerator_seconds_u) SELECT * FROM unnest($1::bigint[], "
+        "$2::text[], $3::text[], $4::text[], $5::text[], $6::bigint[]) "
+        "ON CONFLICT (interval_index, cluster, accelerator_type, price_tier, tenant) DO UPDATE "
+        "SET accelerator_seconds_u = u.accelerator_seconds_u + EXCLUDED.accelerator_seconds_u",
+        *([k[i] for k in keys] for i in range(5)),
+        [usage[k] for k in keys],
+    )
 
 
 async def allocated(
     conn: asyncpg.Connection, first: int, last: int
-) -> dict[int, dict[PriceKey, dict[str, Decimal]]]:
-    """Usage accelerator-seconds per interval, pool and tenant, for intervals first..last."""
+) -> dict[int, dict[PriceKey, dict[str, int]]]:
+    """Usage accelerator-seconds (millionths) per interval, pool and tenant, in first..last;
+    the rows of those intervals (and any older) are then dropped: they are accounted."""
     rows = await conn.fetch(
         "SELECT interval_index, cluster, accelerator_type, price_tier, tenant, "
-        "sum(accelerator_seconds) AS s FROM meter.ledger "
-        "WHERE interval_index BETWEEN $1 AND $2 AND kind <> 'idle' "
-        "GROUP BY interval_index, cluster, accelerator_type, price_tier, tenant",
+        "accelerator_seconds_u AS s FROM meter.interval_usage "
+        "WHERE interval_index BETWEEN $1 AND $2",
         first,
         last,
     )
-    out: dict[int, dict[PriceKey, dict[str, Decimal]]] = defaultdict(lambda: defaultdict(dict))
+    await conn.execute("DELETE FROM meter.interval_usage WHERE interval_index <= $1", last)
+    out: dict[int, dict[PriceKey, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         key = (r["cluster"], r["accelerator_type"], r["price_tier"])
         out[r["interval_index"]][key][r["tenant"]] = r["s"]
@@ -114,12 +131,12 @@ async def allocated(
 # --- runs --------------------------------------------------------------------------------
 
 
-def _shares_json(shares: Iterable[Share]) -> list[list[str]]:
-    return [[s.price_tier, str(s.count), str(s.unit_price)] for s in shares]
+def _shares_json(shares: Iterable[Share]) -> list[list[Any]]:
+    return [[s.price_tier, s.count_u, s.unit_price_u] for s in shares]
 
 
-def _shares(raw: list[list[str]]) -> tuple[Share, ...]:
-    return tuple(Share(t, Decimal(c), Decimal(p)) for t, c, p in raw)
+def _shares(raw: list[list[Any]]) -> tuple[Share, ...]:
+    return tuple(Share(t, int(c), int(p)) for t, c, p in raw)
 
 
 def _run_json(run: Run) -> str:
@@ -131,7 +148,7 @@ def _run_json(run: Run) -> str:
             "cluster": run.cluster,
             "accelerator_type": run.accelerator_type,
             "shares": _shares_json(run.shares),
-            "start_v": str(run.start_v),
+            "start_v": run.start_v,
         }
     )
 
@@ -167,8 +184,8 @@ def _state(row: asyncpg.Record) -> RunState:
             r["cluster"],
             r["accelerator_type"],
             _shares(r["shares"]),
-            Decimal(r["start_v"]),
-            row["billed_s"] if row["billed_s"] is not None else ZERO,
+            int(r["start_v"]),
+            row["billed_u"] or 0,
         )
     placements = tuple(
         Placement(
@@ -190,14 +207,14 @@ def _state(row: asyncpg.Record) -> RunState:
         placements,
         row["started_at"],
         tuple(row["nodes"]),
-        row["ran_s"],
+        row["ran_u"],
         row["outcome"],
         run,
     )
 
 
 _RUN_COLUMNS = (
-    "job_id, attempt, phase, placements, started_at, nodes, ran_s, outcome, run, billed_s"
+    "job_id, attempt, phase, placements, started_at, nodes, ran_u, outcome, run, billed_u"
 )
 
 
@@ -227,8 +244,8 @@ async def save_runs(conn: asyncpg.Connection, states: Sequence[RunState]) -> Non
         "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now()) "
         "ON CONFLICT (job_id, attempt) DO UPDATE SET phase = EXCLUDED.phase, "
         "placements = EXCLUDED.placements, started_at = EXCLUDED.started_at, "
-        "nodes = EXCLUDED.nodes, ran_s = EXCLUDED.ran_s, outcome = EXCLUDED.outcome, "
-        "run = EXCLUDED.run, billed_s = EXCLUDED.billed_s, updated_at = now()",
+        "nodes = EXCLUDED.nodes, ran_u = EXCLUDED.ran_u, outcome = EXCLUDED.outcome, "
+        "run = EXCLUDED.run, billed_u = EXCLUDED.billed_u, updated_at = now()",
         [
             (
                 s.job_id,
@@ -237,10 +254,10 @@ async def save_runs(conn: asyncpg.Connection, states: Sequence[RunState]) -> Non
                 _placements_json(s.placements),
                 s.started_at,
                 list(s.nodes),
-                s.ran_s,
+                s.ran_u,
                 s.outcome,
                 _run_json(s.run) if s.run else None,
-                s.run.billed_s if s.run else None,
+                s.run.billed_u if s.run else None,
             )
             for s in states
         ],
@@ -252,12 +269,12 @@ async def save_billed(conn: asyncpg.Connection, states: Sequence[RunState]) -> N
     runs = [s.run for s in states if s.run is not None]
     if runs:
         await conn.execute(
-            "UPDATE meter.runs AS r SET billed_s = u.b, updated_at = now() "
-            "FROM unnest($1::text[], $2::int[], $3::numeric[]) AS u(j, a, b) "
+            "UPDATE meter.runs AS r SET billed_u = u.b, updated_at = now() "
+            "FROM unnest($1::text[], $2::int[], $3::bigint[]) AS u(j, a, b) "
             "WHERE r.job_id = u.j AND r.attempt = u.a",
             [r.job_id for r in runs],
             [r.attempt for r in runs],
-            [r.billed_s for r in runs],
+            [r.billed_u for r in runs],
         )
 
 
@@ -270,9 +287,9 @@ async def save_pools(conn: asyncpg.Connection, by_cluster: dict[str, list[Pool]]
         await conn.execute("DELETE FROM meter.pools WHERE cluster = $1", cluster)
         await conn.executemany(
             "INSERT INTO meter.pools (cluster, accelerator_type, price_tier, accelerators, "
-            "unit_price) VALUES ($1, $2, $3, $4, $5)",
+            "unit_price_u) VALUES ($1, $2, $3, $4, $5)",
             [
-                (p.cluster, p.accelerator_type, p.price_tier, p.accelerators, p.unit_price)
+                (p.cluster, p.accelerator_type, p.price_tier, p.accelerators, p.unit_price_u)
                 for p in pools
             ],
         )
@@ -280,7 +297,7 @@ async def save_pools(conn: asyncpg.Connection, by_cluster: dict[str, list[Pool]]
 
 async def load_pools(pool: asyncpg.Pool) -> list[Pool]:
     rows = await pool.fetch(
-        "SELECT cluster, accelerator_type, price_tier, accelerators, unit_price FROM meter.pools"
+        "SELECT cluster, accelerator_type, price_tier, accelerators, unit_price_u FROM meter.pools"
     )
     return [Pool(**dict(r)) for r in rows]
 
@@ -302,18 +319,19 @@ async def set_idle_through(conn: asyncpg.Connection, index: int) -> None:
 
 
 async def add_budget_usage(
-    conn: asyncpg.Connection, deltas: dict[tuple[str, str, str], tuple[Decimal, Decimal]]
+    conn: asyncpg.Connection, deltas: dict[tuple[str, str, str], tuple[int, int]]
 ) -> None:
-    """deltas: (tenant, project, month) -> (accelerator-seconds, cost) to add."""
+    """deltas: (tenant, project, month) -> (accelerator-seconds, cost) to add, millionths."""
     if not deltas:
         return
     keys = sorted(deltas)  # a stable lock order
     await conn.execute(
-        "INSERT INTO meter.budget_usage AS b (tenant, project, month, accelerator_seconds, cost) "
-        "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::numeric[], $5::numeric[]) "
+        "INSERT INTO meter.budget_usage AS b "
+        "(tenant, project, month, accelerator_seconds_u, cost_u) "
+        "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[]) "
         "ON CONFLICT (tenant, project, month) DO UPDATE SET "
-        "accelerator_seconds = b.accelerator_seconds + EXCLUDED.accelerator_seconds, "
-        "cost = b.cost + EXCLUDED.cost",
+        "accelerator_seconds_u = b.accelerator_seconds_u + EXCLUDED.accelerator_seconds_u, "
+        "cost_u = b.cost_u + EXCLUDED.cost_u",
         [k[0] for k in keys],
         [k[1] for k in keys],
         [k[2] for k in keys],
@@ -324,14 +342,14 @@ async def add_budget_usage(
 
 async def budget_totals(
     conn: asyncpg.Connection, tenants: Iterable[str], month: str
-) -> dict[tuple[str, str], tuple[Decimal, Decimal]]:
+) -> dict[tuple[str, str], tuple[int, int]]:
     rows = await conn.fetch(
-        "SELECT tenant, project, accelerator_seconds, cost FROM meter.budget_usage "
+        "SELECT tenant, project, accelerator_seconds_u, cost_u FROM meter.budget_usage "
         "WHERE month = $1 AND tenant = ANY($2::text[])",
         month,
         sorted(set(tenants)),
     )
-    return {(r["tenant"], r["project"]): (r["accelerator_seconds"], r["cost"]) for r in rows}
+    return {(r["tenant"], r["project"]): (r["accelerator_seconds_u"], r["cost_u"]) for r in rows}
 
 
 async def claim_thresholds(

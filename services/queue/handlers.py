@@ -80,7 +80,11 @@ class QueueProcessor:
                     if isinstance(getattr(i, "payload", None), JobPreempted)
                 ]
                 specs = await store.job_specs(conn, ended_runs)
-                plan = plan_batch(todo, records_by_id, idem, self.policy, early, specs)
+                blocks = await store.budget_blocks(conn)
+                plan = plan_batch(todo, records_by_id, idem, self.policy, early, specs, blocks)
+                await store.save_budget_blocks(
+                    conn, [b for k, b in plan.budget_blocks.items() if blocks.get(k) != b]
+                )
                 await store.insert_jobs(conn, plan.inserts)
                 await store.update_jobs(conn, list(plan.updates.values()))
                 await store.add_history(conn, plan.history)

@@ -19,6 +19,7 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
 )
+from schemas.usage import BudgetExceeded
 from schemas.validation import (
     Submission,
     Unparseable,
@@ -37,6 +38,7 @@ LIFECYCLE_PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
+    topics.BUDGET_EXCEEDED: BudgetExceeded,
 }
 # Two consumers: requests (submissions and cancels, on every job's critical path) are never
 # held up behind the larger stream of lifecycle events that follow placements.

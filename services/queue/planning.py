@@ -20,9 +20,12 @@ from schemas.events import (
     RejectReason,
 )
 from schemas.job import JobSpec, JobState
+from schemas.usage import BudgetExceeded
+from services.common.admission import Rejection as Refusal
 from services.common.admission import check_admission
 from services.common.kafka import OutMessage, envelope_for
 from services.queue import lifecycle
+from services.queue.budgets import BudgetBlock, check_budget, note_exceeded
 from services.queue.intake import BadJob, Item, LifecycleEvent, NewJob
 from services.queue.lifecycle import PRODUCER, HistoryEntry, JobRecord, Step
 
@@ -39,6 +42,7 @@ class Plan:
     early_cancels: list[tuple[str, str]] = field(default_factory=list)
     unknown_job_events: int = 0
     duplicates: int = 0
+    budget_blocks: dict[str, BudgetBlock] = field(default_factory=dict)
 
 
 def item_event_id(item: Item) -> str:
@@ -50,7 +54,7 @@ def item_job_id(item: Item) -> str | None:
         return item.job_id
     if isinstance(item, BadJob):
         return item.bad.job_id
-    return str(item.payload.job_id)
+    return getattr(item.payload, "job_id", None)  # budget.exceeded is about no job
 
 
 def plan_batch(
@@ -60,14 +64,17 @@ def plan_batch(
     policy: Policy,
     early_cancels: dict[str, str] | None = None,
     specs: dict[str, JobSpec] | None = None,
+    budget_blocks: dict[str, BudgetBlock] | None = None,
 ) -> Plan:
     """`early_cancels`: job id -> who asked, for cancels that arrived before their job.
     `specs`: the stored specs of jobs whose run the platform ended (they are requeued)."""
-    plan = Plan()
+    plan = Plan(budget_blocks=dict(budget_blocks or {}))
     inserted: set[str] = set()
     early = dict(early_cancels or {})
     for item in items:
-        if isinstance(item, NewJob):
+        if isinstance(item, LifecycleEvent) and isinstance(item.payload, BudgetExceeded):
+            plan.budget_blocks = note_exceeded(plan.budget_blocks, item.payload)
+        elif isinstance(item, NewJob):
             _plan_new(plan, item, records, idempotency, policy, inserted)
             if item.job_id in early and item.job_id in inserted:
                 _cancel_on_arrival(plan, item, records, early.pop(item.job_id), inserted)
@@ -138,6 +145,10 @@ def _plan_new(
     now = env.occurred_at
     spec = spec.model_copy(update={"job_id": item.job_id})
     rejection = check_admission(spec, policy)
+    if rejection is None:
+        refusal = check_budget(spec.tenant, spec.project, plan.budget_blocks, now)
+        if refusal is not None:
+            rejection = Refusal(RejectReason.BUDGET_EXHAUSTED, refusal.message)
     state = JobState.REJECTED if rejection else JobState.QUEUED
     record = JobRecord(
         item.job_id,

@@ -9,6 +9,8 @@ from pathlib import Path
 import asyncpg
 
 from schemas.job import JobSpec, JobState
+from schemas.usage import BudgetUnit
+from services.queue.budgets import BudgetBlock
 from services.queue.lifecycle import HistoryEntry, JobRecord
 
 SCHEMA = "queue"
@@ -203,3 +205,37 @@ async def add_early_cancels(conn: asyncpg.Connection, cancels: Sequence[tuple[st
             "ON CONFLICT DO NOTHING",
             cancels,
         )
+
+
+async def budget_blocks(conn: asyncpg.Connection) -> dict[str, BudgetBlock]:
+    rows = await conn.fetch(
+        'SELECT budget_id, tenant, project, month, unit, "limit", used, currency '
+        "FROM queue.budget_blocks"
+    )
+    return {
+        r["budget_id"]: BudgetBlock(
+            r["budget_id"],
+            r["tenant"],
+            r["project"],
+            r["month"],
+            BudgetUnit(r["unit"]),
+            r["limit"],
+            r["used"],
+            r["currency"],
+        )
+        for r in rows
+    }
+
+
+async def save_budget_blocks(conn: asyncpg.Connection, blocks: Iterable[BudgetBlock]) -> None:
+    await conn.executemany(
+        'INSERT INTO queue.budget_blocks (budget_id, tenant, project, month, unit, "limit", '
+        "used, currency) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (budget_id) DO "
+        "UPDATE SET tenant = EXCLUDED.tenant, project = EXCLUDED.project, month = EXCLUDED.month,"
+        ' unit = EXCLUDED.unit, "limit" = EXCLUDED."limit", used = EXCLUDED.used, '
+        "currency = EXCLUDED.currency",
+        [
+            (b.budget_id, b.tenant, b.project, b.month, b.unit.value, b.limit, b.used, b.currency)
+            for b in blocks
+        ],
+    )

@@ -50,7 +50,7 @@ async def test_submit_publishes_and_scopes_by_tenant(
             }
             got = await harness.wait_for(
                 (topics.JOB_SUBMITTED,),
-                lambda _t, env: env["payload"].get("job_id") == job_id,
+                lambda _t, env: env.get("payload", {}).get("job_id") == job_id,
                 count=1,
             )
             status = await client.get(f"/v1/jobs/{job_id}", headers=vision)

@@ -1,0 +1,52 @@
+"""Reading raw records into the meter's facts: ends from executors are measurements, the
+queue's zero-second bookkeeping is not, job.preempted ends a run, bad input is dead-lettered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka import ConsumerRecord
+
+from schemas import topics
+from services.meter.intake import read_batch
+from services.meter.runs import Finished
+from tests.unit.meter.scenario import RunSpec, finished, preempted
+
+
+def record(topic: str, value: bytes, offset: int = 0) -> ConsumerRecord[Any, Any]:
+    return ConsumerRecord(topic, 0, offset, 0, 0, None, value, None, 0, len(value), ())
+
+
+RUN = RunSpec("j", "vision", "p", "onprem-h100", "H100", 1, 8, "42.5", reason_code="node_failure")
+
+
+def test_ends_become_facts_and_only_measured_ones_can_close_a_run() -> None:
+    records = (
+        record(topics.JOB_FINISHED, finished(RUN).model_dump_json().encode(), 0),
+        record(
+            topics.JOB_FINISHED,
+            finished(RUN, producer="queue", ran_s="0").model_dump_json().encode(),
+            1,
+        ),
+        record(topics.JOB_PREEMPTED, preempted(RUN).model_dump_json().encode(), 2),
+    )
+    facts, dead = read_batch(records)
+    assert dead == []
+    ends = [f for _, f in facts]
+    assert ends == [
+        Finished("j", 1, 42_500_000, "succeeded", True),
+        Finished("j", 1, 0, "succeeded", False),
+        Finished("j", 1, 42_500_000, "preempted", True),
+    ]
+
+
+def test_unreadable_records_are_dead_lettered_with_the_reason() -> None:
+    facts, dead = read_batch(
+        (
+            record(topics.JOB_STARTED, b"{not json"),
+            record(topics.JOB_FINISHED, b'{"type": "JobFinished", "payload": {"job_id": 1}}'),
+        )
+    )
+    assert facts == []
+    assert [d.envelope.payload["consumer"] for d in dead] == ["meter", "meter"]
+    assert "outcome" in dead[1].envelope.payload["error"]
