@@ -34,7 +34,7 @@ def reserve(
     cap: Capacity,
     job: JobRequest,
     number: int,
-    running_on: Mapping[NodeId, list[Allocation]],
+    running_on: Mapping[NodeId, Mapping[JobId, Allocation]],
     spot_ok: bool,
 ) -> Reservation | None:
     """Holds the nodes where `job` is closest to fitting: within one domain of its topology
@@ -80,11 +80,13 @@ def _empty_slots(cap: Capacity, idx: IntArray, job: JobRequest) -> FloatArray:
 
 
 def _start_estimate(
-    cap: Capacity, nodes: tuple[int, ...], running_on: Mapping[NodeId, list[Allocation]]
+    cap: Capacity,
+    nodes: tuple[int, ...],
+    running_on: Mapping[NodeId, Mapping[JobId, Allocation]],
 ) -> float:
     start = 0.0
     for node in nodes:
-        for alloc in running_on.get(cap.nodes[node].node_id, []):
+        for alloc in running_on.get(cap.nodes[node].node_id, {}).values():
             if alloc.job.max_runtime_s is None:
                 return math.inf
             start = max(start, alloc.start_time + alloc.job.max_runtime_s)

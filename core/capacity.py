@@ -64,6 +64,8 @@ class Capacity:
     # Reservation number holding the node for a waiting gang, or -1.
     held: IntArray
     _candidates: dict[tuple[object, ...], IntArray] = field(default_factory=dict)
+    # Whether a job shape fits an idle fleet (see `core.placement`): static, so cached here.
+    empty_fits: dict[tuple[object, ...], bool] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -116,6 +118,7 @@ class Capacity:
             cluster_free=self.cluster_free.copy(),
             held=self.held.copy(),
             _candidates=self._candidates,
+            empty_fits=self.empty_fits,
         )
 
     def candidates(

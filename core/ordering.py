@@ -1,22 +1,47 @@
 """The order in which pending jobs are considered: priority tiers first (and, for least attained
 service, service levels inside a tier); across tenants the lowest fair share goes next; within a
 tenant, oldest first. Kept as sorted lanes so a long-lived caller can update it incrementally.
+
+Inside a lane, jobs are further kept in groups of jobs that fare alike in a cycle (same tenant,
+priority class and shape): once a cycle knows that a group's next job can only miss and change
+nothing, it may pass the whole group by instead of visiting each of its jobs.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from core.model import JobId, JobRequest
+from core.model import JobId, JobRequest, TenantId
+from core.placement import Shape, shape_of
 from core.policy import OrderingMode, Policy
 
 # (-rank, service level): smaller goes first.
 Tier = tuple[int, int]
 Entry = tuple[float, JobId, JobRequest]
+
+
+class Group(NamedTuple):
+    """Jobs that a cycle treats alike: one priority class, one shape and, where lanes are
+    tenants or quotas apply, one tenant; "" where tenants cannot make a difference."""
+
+    tenant: TenantId
+    priority_class: str
+    shape: Shape
+
+
+def group_of(job: JobRequest, by_tenant: bool) -> Group:
+    tenant = job.tenant if by_tenant else TenantId("")
+    return Group(tenant, job.priority_class, shape_of(job))
+
+
+def _by_tenant(policy: Policy) -> bool:
+    """Whether groups must keep tenants apart: where lanes are tenants, or quotas apply."""
+    limited = any(t.quotas is not None for t in policy.tenants.values())
+    return policy.ordering is OrderingMode.FAIR_SHARE or limited
 
 
 def service_level(attained: float, policy: Policy) -> int:
@@ -34,15 +59,20 @@ def lane_of(job: JobRequest, policy: Policy) -> str:
     return job.tenant if policy.ordering is OrderingMode.FAIR_SHARE else ""
 
 
+def _entry_key(entry: Entry) -> tuple[float, JobId]:
+    return (entry[0], entry[1])
+
+
 @dataclass
 class PendingQueues:
     policy: Policy
-    lanes: dict[Tier, dict[str, list[Entry]]] = field(default_factory=dict)
-    _where: dict[JobId, tuple[Tier, str]] = field(default_factory=dict)
-    # How many pending jobs ask for each per-replica accelerator amount, and how many declare a
-    # max runtime (and so may backfill): lets a cycle see that nothing left can start.
-    sizes: Counter[float] = field(default_factory=Counter)
-    bounded_runtime_jobs: int = 0
+    # tier -> lane -> group -> entries sorted by (submit time, job id).
+    lanes: dict[Tier, dict[str, dict[Group, list[Entry]]]] = field(default_factory=dict)
+    _where: dict[JobId, tuple[Tier, str, Group]] = field(default_factory=dict)
+    by_tenant: bool = True
+
+    def __post_init__(self) -> None:
+        self.by_tenant = _by_tenant(self.policy)
 
     @classmethod
     def build(
@@ -51,14 +81,14 @@ class PendingQueues:
         queues = cls(policy=policy)
         for job in jobs:
             tier, lane = tier_of(job, policy, attained.get(job.job_id, 0.0)), lane_of(job, policy)
-            queues.lanes.setdefault(tier, {}).setdefault(lane, []).append(
-                (job.submit_time, job.job_id, job)
-            )
-            queues._where[job.job_id] = (tier, lane)
-            queues._count(job, 1)
-        for lanes in queues.lanes.values():
-            for entries in lanes.values():
-                entries.sort(key=lambda e: (e[0], e[1]))
+            group = group_of(job, queues.by_tenant)
+            groups = queues.lanes.setdefault(tier, {}).setdefault(lane, {})
+            groups.setdefault(group, []).append((job.submit_time, job.job_id, job))
+            queues._where[job.job_id] = (tier, lane, group)
+        for by_lane in queues.lanes.values():
+            for groups in by_lane.values():
+                for entries in groups.values():
+                    entries.sort(key=_entry_key)
         return queues
 
     def __len__(self) -> int:
@@ -70,40 +100,80 @@ class PendingQueues:
     def add(self, job: JobRequest, attained: float = 0.0) -> None:
         tier = tier_of(job, self.policy, attained)
         lane = lane_of(job, self.policy)
-        entries = self.lanes.setdefault(tier, {}).setdefault(lane, [])
-        bisect.insort(entries, (job.submit_time, job.job_id, job), key=lambda e: (e[0], e[1]))
-        self._where[job.job_id] = (tier, lane)
-        self._count(job, 1)
+        group = group_of(job, self.by_tenant)
+        groups = self.lanes.setdefault(tier, {}).setdefault(lane, {})
+        entries = groups.setdefault(group, [])
+        bisect.insort(entries, (job.submit_time, job.job_id, job), key=_entry_key)
+        self._where[job.job_id] = (tier, lane, group)
 
     def remove(self, job: JobRequest) -> None:
-        tier, lane = self._where.pop(job.job_id)
-        entries = self.lanes[tier][lane]
-        at = bisect.bisect_left(entries, (job.submit_time, job.job_id), key=lambda e: (e[0], e[1]))
-        del entries[at]
-        self._count(job, -1)
-
-    def _count(self, job: JobRequest, sign: int) -> None:
-        self.sizes[job.accelerators] += sign
-        if self.sizes[job.accelerators] == 0:
-            del self.sizes[job.accelerators]
-        self.bounded_runtime_jobs += sign * (job.max_runtime_s is not None)
+        tier, lane, group = self._where.pop(job.job_id)
+        groups = self.lanes[tier][lane]
+        entries = groups[group]
+        del entries[bisect.bisect_left(entries, (job.submit_time, job.job_id), key=_entry_key)]
+        # Empty containers are dropped so a cycle never walks what is no longer there.
+        if not entries:
+            del groups[group]
+            if not groups:
+                del self.lanes[tier][lane]
+                if not self.lanes[tier]:
+                    del self.lanes[tier]
 
     def jobs(self) -> Iterator[JobRequest]:
+        """Every pending job: tier by tier, lane by lane (by name), oldest first in a lane."""
         for tier in sorted(self.lanes):
             for lane in sorted(self.lanes[tier]):
-                for entry in self.lanes[tier][lane]:
+                merged = heapq.merge(*self.lanes[tier][lane].values(), key=_entry_key)
+                for entry in merged:
                     yield entry[2]
 
 
-def in_order(queues: PendingQueues, share: Callable[[str], float]) -> Iterator[JobRequest]:
+def in_order(
+    queues: PendingQueues,
+    share: Callable[[str], float],
+    settled: Callable[[Group], bool] | None = None,
+) -> Iterator[JobRequest]:
     """Yields pending jobs in policy order. `share(lane)` is read again each time a lane's next
-    job is due, so placements made by the caller between two yields move that tenant back."""
+    job is due, so placements made by the caller between two yields move that tenant back.
+
+    `settled(group)`, asked whenever a group's next job is due, lets the caller drop a group
+    for the rest of the iteration; it must stay true once it has been true.
+    """
     for tier in sorted(queues.lanes):
         lanes = queues.lanes[tier]
-        heap = [(share(lane), lane, 0) for lane in sorted(lanes) if lanes[lane]]
+        if len(lanes) == 1:
+            yield from _lane(next(iter(lanes.values())), settled)
+            continue
+        streams = {lane: _lane(groups, settled) for lane, groups in lanes.items()}
+        heap = [(share(lane), lane) for lane in sorted(lanes)]
         heapq.heapify(heap)
         while heap:
-            _, lane, pos = heapq.heappop(heap)
-            yield lanes[lane][pos][2]
-            if pos + 1 < len(lanes[lane]):
-                heapq.heappush(heap, (share(lane), lane, pos + 1))
+            _, lane = heapq.heappop(heap)
+            job = next(streams[lane], None)
+            if job is not None:
+                yield job
+                heapq.heappush(heap, (share(lane), lane))
+
+
+def _lane(
+    groups: dict[Group, list[Entry]], settled: Callable[[Group], bool] | None
+) -> Iterator[JobRequest]:
+    """One lane's jobs, oldest first, merged across its groups; settled groups drop out."""
+    if len(groups) == 1 and settled is None:
+        for entry in next(iter(groups.values())):
+            yield entry[2]
+        return
+    heap = [(entries[0][0], entries[0][1], group, 0) for group, entries in groups.items()]
+    heapq.heapify(heap)
+    while heap:
+        _, _, group, pos = heap[0]
+        if settled is not None and settled(group):
+            heapq.heappop(heap)
+            continue
+        entries = groups[group]
+        yield entries[pos][2]
+        if pos + 1 < len(entries):
+            nxt = entries[pos + 1]
+            heapq.heapreplace(heap, (nxt[0], nxt[1], group, pos + 1))
+        else:
+            heapq.heappop(heap)

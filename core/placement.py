@@ -5,6 +5,7 @@ effective cost, fit and availability, then the nodes inside it; gangs are all-or
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from core.model import (
     Allocation,
     ClusterId,
     JobRequest,
+    NodeId,
     ReplicaPlacement,
     TopologyLevel,
     WorkloadKind,
@@ -28,6 +30,45 @@ LEVEL_WORDS = {
     TopologyLevel.BLOCK: "block",
     TopologyLevel.CLUSTER: "cluster",
 }
+
+
+class Shape(NamedTuple):
+    """Everything about a job that decides where it can fit; jobs of one shape fit alike."""
+
+    accelerators: float
+    replicas: int
+    accelerator_types: tuple[str, ...]
+    accelerator_memory_gb: float | None
+    cpu: float
+    memory_gb: float
+    topology: TopologyLevel
+    topology_required: bool
+    preemptible: bool
+    kind: WorkloadKind
+    excluded_nodes: frozenset[NodeId]
+    # Whether the job declares a max runtime: only such jobs may backfill onto held capacity.
+    bounded: bool
+
+    @property
+    def total_accelerators(self) -> float:
+        return self.replicas * self.accelerators
+
+
+def shape_of(job: JobRequest) -> Shape:
+    return Shape(
+        job.accelerators,
+        job.replicas,
+        job.accelerator_types,
+        job.accelerator_memory_gb,
+        job.cpu,
+        job.memory_gb,
+        job.topology,
+        job.topology_required,
+        job.preemptible,
+        job.kind,
+        job.excluded_nodes,
+        job.max_runtime_s is not None,
+    )
 
 
 @dataclass(frozen=True)
@@ -64,8 +105,10 @@ def find_placement(
     prefs: PlacementPreferences,
     cost_sensitivity: float,
     blocked_holds: frozenset[int] = frozenset(),
+    precise: bool = True,
 ) -> Plan | Miss:
-    """The best plan for `job` on the current free capacity, or why there is none."""
+    """The best plan for `job` on the current free capacity, or why there is none (see
+    `explain_miss` for `precise`)."""
     idx = _usable_candidates(cap, job, prefs, blocked_holds)
     if idx.size == 0:
         return _miss_without_candidates(cap, job, prefs, blocked_holds)
@@ -74,7 +117,7 @@ def find_placement(
         plan = _place_at_level(cap, job, prefs, cost_sensitivity, idx, slots, level)
         if plan is not None:
             return plan
-    return explain_miss(cap, job, prefs, blocked_holds)
+    return explain_miss(cap, job, prefs, blocked_holds, precise)
 
 
 def _spot_ok(job: JobRequest, prefs: PlacementPreferences) -> bool:
@@ -91,9 +134,17 @@ def _usable_candidates(
         )
         idx = idx[~np.isin(idx, excluded)]
     if blocked_holds:
-        held = cap.held[idx]
-        idx = idx[~np.isin(held, np.array(sorted(blocked_holds), dtype=np.int64))]
+        idx = _not_held(idx, cap.held[idx], blocked_holds)
     return idx
+
+
+def _not_held(idx: IntArray, held: IntArray, blocked_holds: frozenset[int]) -> IntArray:
+    keep = np.ones(idx.size, dtype=np.bool_)
+    for number in blocked_holds:
+        # A cycle holds capacity for a few gangs at most: one comparison each beats np.isin.
+        keep &= held != number
+    result: IntArray = idx[keep]
+    return result
 
 
 def _place_at_level(
@@ -114,6 +165,9 @@ def _place_at_level(
         # Every remaining node is a feasible domain of its own.
         score = _scores(cap, job, prefs, cost_sensitivity, idx, weights, None)
         best = int(np.argmin(score))
+        if job.replicas == 1:
+            node = int(idx[best])
+            return Plan(cap.cluster_names[int(cap.cluster_of[node])], ((node, 1),))
         return _fill(cap, job, idx[best : best + 1], slots[best : best + 1])
     codes = cap.domains[level][idx]
     per_domain = np.bincount(codes, weights=weights)
@@ -236,9 +290,16 @@ def _miss_without_candidates(
 
 
 def explain_miss(
-    cap: Capacity, job: JobRequest, prefs: PlacementPreferences, blocked_holds: frozenset[int]
+    cap: Capacity,
+    job: JobRequest,
+    prefs: PlacementPreferences,
+    blocked_holds: frozenset[int],
+    precise: bool = True,
 ) -> Miss:
-    """Why `job` does not fit now: impossible even on an idle fleet, held, or just busy."""
+    """Why `job` does not fit now: impossible even on an idle fleet, held, or just busy.
+
+    With `precise=False` (nobody reads the sentence) a job that would fit but for the holds
+    is reported as short of capacity, which saves a second search; both are capacity codes."""
     level = levels_to_try(job)[-1]
     word = LEVEL_WORDS[level]
     empty = _empty_fit(cap, job, level, _spot_ok(job, prefs))
@@ -248,7 +309,7 @@ def explain_miss(
             f"even an empty fleet has no {_types_word(job)} {word} that can hold "
             f"{job.replicas} x {job.accelerators:g} accelerators",
         )
-    if blocked_holds and isinstance(find_placement(cap, job, prefs, 0.0), Plan):
+    if precise and blocked_holds and isinstance(find_placement(cap, job, prefs, 0.0), Plan):
         return Miss(
             ReasonCode.CAPACITY_RESERVED,
             f"free {_types_word(job)} capacity is held for a larger gang that is waiting",
@@ -266,12 +327,18 @@ def _types_prefix(job: JobRequest) -> str:
 
 def _empty_fit(cap: Capacity, job: JobRequest, level: TopologyLevel, spot_ok: bool) -> bool:
     """Whether the job would fit at `level` if every healthy candidate node were idle."""
+    key = (shape_of(job), level, spot_ok)
+    known = cap.empty_fits.get(key)
+    if known is not None:
+        return known
     idx = cap.candidates(job.accelerator_types, job.accelerator_memory_gb, spot_ok)
-    if idx.size == 0:
-        return False
-    per_node = _empty_slots(cap, idx, job)
-    totals = np.bincount(cap.domains[level][idx], weights=per_node)
-    return bool((totals >= job.replicas - EPS).any())
+    fits = False
+    if idx.size > 0:
+        per_node = _empty_slots(cap, idx, job)
+        totals = np.bincount(cap.domains[level][idx], weights=per_node)
+        fits = bool((totals >= job.replicas - EPS).any())
+    cap.empty_fits[key] = fits
+    return fits
 
 
 def _empty_slots(cap: Capacity, idx: IntArray, job: JobRequest) -> FloatArray:

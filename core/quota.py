@@ -5,7 +5,7 @@ cohort lends, within limits; what it borrows is marked so that the lender can re
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.model import Allocation, JobId, TenantId
 from core.policy import Policy, TenantPolicy
@@ -24,6 +24,9 @@ class Admission:
 class QuotaBook:
     policy: Policy
     used: dict[tuple[TenantId, str], float]
+    # What each tenant's cohort can lend it, per type, until the next charge changes it.
+    _lendable: dict[tuple[str, str], float] = field(default_factory=dict)
+    _members: dict[str, tuple[TenantPolicy, ...]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, running: Iterable[tuple[Allocation, str]], policy: Policy) -> QuotaBook:
@@ -36,6 +39,7 @@ class QuotaBook:
     def charge(self, tenant: TenantId, accelerator_type: str, amount: float) -> None:
         key = (tenant, accelerator_type)
         self.used[key] = self.used.get(key, 0.0) + amount
+        self._lendable.clear()
 
     def admit(self, tenant: TenantId, accelerator_type: str, amount: float) -> Admission | Miss:
         tp = self.policy.tenant(tenant)
@@ -64,15 +68,23 @@ class QuotaBook:
         lending limit, minus what the others already borrow."""
         if tp.cohort is None:
             return 0.0
+        key = (tp.name, accelerator_type)
+        known = self._lendable.get(key)
+        if known is not None:
+            return known
+        members = self._members.get(tp.cohort)
+        if members is None:
+            members = self._members[tp.cohort] = self.policy.cohort_members(tp.cohort)
         spare = 0.0
-        for member in self.policy.cohort_members(tp.cohort):
+        for member in members:
             if member.name == tp.name:
                 continue
             nominal = member.nominal(accelerator_type) or 0.0
             used = self.used.get((TenantId(member.name), accelerator_type), 0.0)
             spare += min(member.max_lend(accelerator_type), max(0.0, nominal - used))
             spare -= max(0.0, used - nominal)
-        return max(0.0, spare)
+        self._lendable[key] = max(0.0, spare)
+        return self._lendable[key]
 
     def _exhausted(self, tp: TenantPolicy, accelerator_type: str, available: float) -> str:
         used = self.used.get((TenantId(tp.name), accelerator_type), 0.0)
@@ -96,6 +108,17 @@ class QuotaBook:
             for t in accelerator_types
         )
 
+    def may_guarantee(self, tenant: TenantId, types: Iterable[str], amount: float) -> bool:
+        """Whether `amount` more of some of these types would still be within nominal quota."""
+        tp = self.policy.tenant(tenant)
+        if tp is None or tp.quotas is None:
+            return True
+        for t in types:
+            nominal = tp.nominal(t)
+            if nominal is None or self.used.get((tenant, t), 0.0) + amount <= nominal + 1e-9:
+                return True
+        return False
+
     def borrowing(self, tenant: TenantId, accelerator_type: str) -> float:
         tp = self.policy.tenant(tenant)
         nominal = tp.nominal(accelerator_type) if tp is not None else None
@@ -105,14 +128,20 @@ class QuotaBook:
 
 
 def guaranteed_jobs(
-    running: Iterable[tuple[Allocation, str]], policy: Policy
+    running: Mapping[JobId, Allocation], types_of: Mapping[JobId, str], policy: Policy
 ) -> Mapping[JobId, bool]:
     """Which running jobs sit inside their tenant's nominal quota (True) and which on borrowed
-    capacity (False). A tenant's highest-priority, oldest jobs fill the nominal quota first, so
-    reclaim takes back its newest, lowest-priority work."""
+    capacity (False), given the accelerator type each occupies; jobs of tenants without quotas
+    are left out (always inside). A tenant's highest-priority, oldest jobs fill the nominal
+    quota first, so reclaim takes back its newest, lowest-priority work."""
+    limited = {name for name, tp in policy.tenants.items() if tp.quotas is not None}
+    if not limited:
+        return {}
     by_owner: dict[tuple[TenantId, str], list[Allocation]] = {}
-    for alloc, accelerator_type in running:
-        by_owner.setdefault((alloc.job.tenant, accelerator_type), []).append(alloc)
+    for job_id, alloc in running.items():
+        accelerator_type = types_of.get(job_id)
+        if accelerator_type is not None and alloc.job.tenant in limited:
+            by_owner.setdefault((alloc.job.tenant, accelerator_type), []).append(alloc)
     out: dict[JobId, bool] = {}
     for (tenant, accelerator_type), allocs in sorted(by_owner.items()):
         tp = policy.tenant(tenant)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -11,18 +12,26 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from core.errors import CoreError
 from core.policy import Policy
-from sim.fleet import pool_fleet, read_fleet
+from sim.fleet import Fleet, pool_fleet, read_fleet
 from sim.report import offered_load, write_outputs
 from sim.runner import compare, vc_entitlement
+from sim.variants import VARIANTS, variant
 from sim.workload import SimJob, Window, WorkloadError, load_generic, load_philly
 
-sim_app = typer.Typer(help="Discrete-event simulation on the scheduling core.")
+sim_app = typer.Typer(
+    help="Replay a trace through several policies on the scheduling core; write figures.",
+    add_completion=False,
+)
 console = Console()
+errors = Console(stderr=True)
 
 
 def load_jobs(trace: Path, window: str | None) -> list[SimJob]:
     """A Philly-format trace when it has a `timestamp` column, else our generic CSV."""
+    if not trace.exists():
+        raise WorkloadError(f"trace {trace} not found")
     with trace.open() as handle:
         header = handle.readline()
     if "timestamp" in header:
@@ -36,37 +45,45 @@ def sim(
     policy: Annotated[Path, typer.Option(help="policy YAML")] = Path("examples/policy.yaml"),
     fleet: Annotated[Path | None, typer.Option(help="fleet YAML (else --pool)")] = None,
     pool: Annotated[str, typer.Option(help="uniform pool NODESxACCELERATORS")] = "64x8",
-    policies: Annotated[str, typer.Option(help="comma list")] = "fifo,fifo-backfill,default,las",
-    window: Annotated[str | None, typer.Option(help="YYYY-MM-DD:YYYY-MM-DD")] = None,
+    policies: Annotated[str, typer.Option(help="comma list")] = ",".join(VARIANTS),
+    window: Annotated[str | None, typer.Option(help="YYYY-MM-DD:YYYY-MM-DD (Philly)")] = None,
     quotas: Annotated[
         Path | None, typer.Option(help="philly_vc_nodes.csv: per-tenant quotas scaled to fleet")
     ] = None,
-    interval: Annotated[float, typer.Option(help="seconds between cycles")] = 60.0,
+    interval: Annotated[
+        float, typer.Option(help="least virtual seconds between cycles (0: every event)")
+    ] = 60.0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("sim-out"),
 ) -> None:
-    base = Policy.from_dict(yaml.safe_load(policy.read_text()) or {})
     try:
+        base = Policy.from_dict(yaml.safe_load(policy.read_text()) or {})
+        names = [p.strip() for p in policies.split(",") if p.strip()]
+        for name in names:
+            variant(base, name)
         jobs = load_jobs(trace, window)
-    except WorkloadError as exc:
-        console.print(f"[red]{exc}[/red]")
+
+        def fleet_for(pol: Policy) -> Fleet:
+            return read_fleet(fleet, pol) if fleet else pool_fleet(pool, pol)
+
+        _, nodes = fleet_for(base)
+    except (OSError, ValueError, CoreError, yaml.YAMLError) as exc:
+        # WorkloadError and UnknownVariant are ValueErrors; PolicyError/FleetError CoreErrors.
+        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
-
-    def fleet_for(pol: Policy) -> tuple[dict, dict]:  # type: ignore[type-arg]
-        return read_fleet(fleet, pol) if fleet else pool_fleet(pool, pol)
-
-    _, nodes = fleet_for(base)
-    capacity = float(sum(n.accelerators for n in nodes.values()))
+    if not jobs:
+        errors.print("[red]error:[/red] no jobs in that trace and window")
+        raise typer.Exit(2)
+    capacity = float(sum(n.accelerators for n in nodes.values() if n.healthy))
     load = offered_load(jobs, capacity)
     console.print(
         f"{len(jobs)} jobs on {len(nodes)} nodes / {capacity:g} accelerators; "
-        f"offered load {load:.3f}"
+        f"offered load {load:.3f}; cycle interval {interval:g} s"
     )
     entitlement = (
         vc_entitlement(quotas, [j.request.tenant for j in jobs], capacity) if quotas else None
     )
-    names = [p.strip() for p in policies.split(",") if p.strip()]
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console
+        TextColumn("{task.description:14s}"), BarColumn(), TimeElapsedColumn(), console=console
     ) as bar:
         tasks = {n: bar.add_task(n, total=1.0) for n in names}
         result = compare(
@@ -78,53 +95,64 @@ def sim(
             entitlement,
             lambda n, f: bar.update(tasks[n], completed=f),
         )
-    _print(result.summaries)
+    print_summaries(result.summaries, console)
     meta = {
         "jobs": len(jobs),
         "offered_load": load,
         "accelerators": capacity,
         "window": window,
         "interval_s": interval,
+        "quotas": str(quotas) if quotas else None,
     }
     for path in write_outputs(out, result.summaries, result.records, result.traces, meta):
         console.print(f"wrote {path}")
 
 
-def _print(summaries: dict[str, dict]) -> None:  # type: ignore[type-arg]
+def print_summaries(summaries: Mapping[str, Mapping[str, Any]], out: Console) -> None:
+    """Two narrow tables (job times, fleet) and one per-tenant table, to fit 80 columns (wall
+    times are in the progress bars and in summary.json)."""
     fifo = summaries.get("fifo", {}).get("avg_jct_s")
-    table = Table(
-        "policy",
-        "avg JCT s",
-        "p50",
-        "p99",
-        "vs fifo",
-        "avg queue s",
-        "util",
-        "util backlog",
-        "preempt",
-        "lost acc-s",
-        "overcommit",
-        "wall s",
+    times = Table("policy", "avg JCT s", "p50 s", "p99 s", "vs fifo", "avg queue s", title="jobs")
+    fleet = Table(
+        "policy", "util", "util backlog", "preempt", "lost acc-h", "overcommit", title="fleet"
     )
     for name, s in summaries.items():
         ratio = f"{s['avg_jct_s'] / fifo:.3f}" if fifo else "-"
-        table.add_row(
+        times.add_row(
             name,
             f"{s['avg_jct_s']:.0f}",
             f"{s['p50_jct_s']:.0f}",
             f"{s['p99_jct_s']:.0f}",
             ratio,
             f"{s['avg_queueing_s']:.0f}",
+        )
+        fleet.add_row(
+            name,
             f"{s['utilization']:.3f}",
             f"{s['utilization_backlog']:.3f}",
             str(s["preemptions"]),
-            f"{s['lost_work_accelerator_s']:.0f}",
+            f"{s['lost_work_accelerator_s'] / 3600:.0f}",
             str(s["overcommit"]),
-            f"{s['wall_s']:.1f}",
         )
-    console.print(table)
-    for name, s in summaries.items():
-        shares = ", ".join(
-            f"{t} {v['share']:.3f}/{v['entitlement']:.3f}" for t, v in s["tenants"].items()
-        )
-        console.print(f"[bold]{name}[/bold] tenant share/entitlement: {shares}")
+    out.print(times)
+    out.print(fleet)
+    out.print(tenant_table(summaries))
+
+
+def tenant_table(summaries: Mapping[str, Mapping[str, Any]]) -> Table:
+    """Per tenant: quota as a share of all quotas, its share of the demand, and per policy the
+    fraction of the fleet it held while some of its jobs waited."""
+    table = Table("tenant", "entitled", "demand", title="fleet share held while waiting")
+    for name in summaries:
+        table.add_column(name)
+    first: Mapping[str, Any] = next(iter(summaries.values()), {"tenants": {}})
+    for tenant, figures in first["tenants"].items():
+        row = [
+            tenant,
+            f"{figures['entitlement']:.3f}" if figures["entitlement"] else "-",
+            f"{figures['share']:.3f}",
+        ]
+        for s in summaries.values():
+            row.append(f"{s['tenants'].get(tenant, {}).get('share_backlogged', 0.0):.3f}")
+        table.add_row(*row)
+    return table

@@ -1,8 +1,9 @@
 """Discrete-event simulation: a virtual clock over a (time, order, sequence) heap drives the very
 same `core.cycle.decide` the live scheduler uses, with one long-lived `CycleState`.
 
-Events: a job arrives, a running job finishes, a scheduling cycle is due. Cycles run at most
-once per `cycle_interval_s` of virtual time, and only when something changed.
+Events: a job arrives, a running job finishes, a scheduling cycle is due. A cycle runs only
+after an arrival or a finish (nothing else can change a decision), at most once per
+`cycle_interval_s` of virtual time; with an interval of 0 every such instant gets one.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import heapq
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-
-import numpy as np
 
 from core.capacity import EPS
 from core.cycle import CycleState, decide
@@ -32,13 +31,20 @@ class EventKind(IntEnum):
 @dataclass
 class JobRecord:
     job: SimJob
+    # Work left, in seconds at relative speed 1.0.
     remaining_s: float
     attained: float = 0.0
     first_start: float | None = None
     finish: float | None = None
     run_start: float | None = None
+    # Relative speed of the accelerators of the current run.
+    speed: float = 1.0
     preemptions: int = 0
     epoch: int = 0
+
+    @property
+    def accelerators(self) -> float:
+        return self.job.request.total_accelerators
 
 
 @dataclass
@@ -52,6 +58,9 @@ class Trace:
     # (hour index) -> accelerator-seconds busy in that hour.
     hourly_busy: dict[int, float] = field(default_factory=dict)
     tenant_busy: dict[TenantId, float] = field(default_factory=dict)
+    # Per tenant: seconds with some of its jobs pending, and accelerator-seconds it ran then.
+    tenant_backlog_time: dict[TenantId, float] = field(default_factory=dict)
+    tenant_backlog_busy: dict[TenantId, float] = field(default_factory=dict)
     preemptions: int = 0
     lost_work: float = 0.0
     cycles: int = 0
@@ -59,15 +68,26 @@ class Trace:
 
 
 class _Attained(Mapping[JobId, float]):
-    """Attained service of every job at the cycle's `now`, computed only when asked for."""
+    """Attained service (accelerator-seconds) of every job at the cycle's `now`, computed only
+    for the jobs the core asks about."""
 
     def __init__(self, records: dict[JobId, JobRecord], now: float) -> None:
         self._records, self._now = records, now
 
     def __getitem__(self, job_id: JobId) -> float:
-        rec = self._records[job_id]
-        running = 0.0 if rec.run_start is None else self._now - rec.run_start
-        return rec.attained + running * rec.job.request.total_accelerators
+        value = self.get(job_id)
+        if value is None:
+            raise KeyError(job_id)
+        return value
+
+    def get(self, job_id: JobId, default: float | None = None) -> float | None:  # type: ignore[override]
+        # The core asks once per running job per cycle: one lookup, no exception handling.
+        rec = self._records.get(job_id)
+        if rec is None:
+            return default
+        if rec.run_start is None:
+            return rec.attained
+        return rec.attained + (self._now - rec.run_start) * rec.accelerators
 
     def __iter__(self) -> Iterator[JobId]:
         return iter(self._records)
@@ -97,23 +117,35 @@ class Simulation:
         self._seq = 0
         self._now = 0.0
         self._busy = 0.0
+        # Per tenant: accelerators running now, jobs pending now, and since when both hold.
         self._tenant_rate: dict[TenantId, float] = {}
+        self._tenant_pending: dict[TenantId, int] = {}
+        self._tenant_since: dict[TenantId, float] = {}
         self._usage: dict[TenantId, float] = {}
         self._usage_at = 0.0
         # An independent ledger of accelerators per node, to catch over-commit by recount.
         self._on_node: dict[NodeId, float] = {}
+        self._devices = {n.node_id: float(n.accelerators) for n in nodes.values()}
         self._cycle_due: float | None = None
-        self._last_cycle = -np.inf
+        self._last_cycle = float("-inf")
         for j in jobs:
             self._push(j.request.submit_time, EventKind.ARRIVE, j.request.job_id)
         self._horizon = max((j.request.submit_time for j in jobs), default=0.0)
+        self._reported = -1.0
+
+    @property
+    def usage(self) -> Mapping[TenantId, float]:
+        """Decayed past usage per tenant as of the last cycle (what `Snapshot.usage` carries)."""
+        return self._usage
 
     def run(self) -> dict[JobId, JobRecord]:
         while self._heap:
             at, kind, _, job_id, epoch = heapq.heappop(self._heap)
             self._advance(at)
             if kind == EventKind.ARRIVE:
-                self.state.queues.add(self.records[job_id].job.request)
+                request = self.records[job_id].job.request
+                self.state.queues.add(request)
+                self._tenant_change(request.tenant, pending=1)
                 self._want_cycle()
             elif kind == EventKind.FINISH:
                 if epoch == self.records[job_id].epoch:
@@ -122,6 +154,10 @@ class Simulation:
             else:
                 self._cycle_due = None
                 self._cycle()
+        for tenant in self._tenant_since:
+            self._tenant_change(tenant)
+        if self.progress is not None:
+            self.progress(1.0)
         return self.records
 
     def _push(self, at: float, kind: EventKind, job_id: JobId, epoch: int = 0) -> None:
@@ -142,19 +178,19 @@ class Simulation:
                 self.trace.backlog_time += dt
                 self.trace.backlog_busy_integral += busy
             self._spread_hourly(self._now, at)
-            for tenant, rate in self._tenant_rate.items():
-                self.trace.tenant_busy[tenant] = self.trace.tenant_busy.get(tenant, 0.0) + rate * dt
             if self.progress is not None and self._horizon > 0:
-                self.progress(min(at / self._horizon, 1.0))
+                done = min(at / self._horizon, 1.0)
+                if done - self._reported >= 0.002:
+                    self._reported = done
+                    self.progress(done)
         self._now = at
 
     def _spread_hourly(self, start: float, end: float) -> None:
         hour = int(start // 3600)
+        hourly = self.trace.hourly_busy
         while start < end:
             edge = min(end, (hour + 1) * 3600.0)
-            self.trace.hourly_busy[hour] = self.trace.hourly_busy.get(hour, 0.0) + self._busy * (
-                edge - start
-            )
+            hourly[hour] = hourly.get(hour, 0.0) + self._busy * (edge - start)
             start, hour = edge, hour + 1
 
     def _cycle(self) -> None:
@@ -175,11 +211,14 @@ class Simulation:
                 break
 
     def _refresh_usage(self) -> None:
+        """Decays past usage and adds what ran since the last cycle (`core.fairshare.accrue`
+        does the same from allocations; here the running rate per tenant is already known)."""
         half_life = self.policy.fair_share.half_life_s
         elapsed = self._now - self._usage_at
+        if elapsed <= 0:
+            return
         self._usage_at = self._now
-        tenants = set(self._usage) | set(self._tenant_rate)
-        for t in tenants:
+        for t in set(self._usage) | set(self._tenant_rate):
             past = decay(self._usage.get(t, 0.0), elapsed, half_life)
             self._usage[t] = past + self._tenant_rate.get(t, 0.0) * elapsed
         self.state.shares.set_usage(self._usage)
@@ -190,41 +229,66 @@ class Simulation:
         if rec.first_start is None:
             rec.first_start = self._now
         node = self.state.cap.nodes[self.state.cap.index[alloc.replicas[0].node_id]]
-        speed = max(node.accelerator.relative_speed, EPS)
-        end = self._now + rec.remaining_s / speed
-        self._push(end, EventKind.FINISH, alloc.job.job_id, rec.epoch)
-        self._account(alloc.job.tenant, alloc.job.total_accelerators)
+        rec.speed = max(node.accelerator.relative_speed, EPS)
+        self._push(
+            self._now + rec.remaining_s / rec.speed,
+            EventKind.FINISH,
+            rec.job.request.job_id,
+            rec.epoch,
+        )
+        self._account(alloc.job.tenant, rec.accelerators, pending=-1)
         self._ledger(alloc, 1.0)
 
-    def _account(self, tenant: TenantId, accelerators: float) -> None:
+    def _account(self, tenant: TenantId, accelerators: float, pending: int = 0) -> None:
         self._busy += accelerators
-        self._tenant_rate[tenant] = self._tenant_rate.get(tenant, 0.0) + accelerators
+        self._tenant_change(tenant, accelerators, pending)
+
+    def _tenant_change(self, tenant: TenantId, accelerators: float = 0.0, pending: int = 0) -> None:
+        """Books a tenant's busy accelerator-seconds (in all, and while it had work waiting) up
+        to now, then applies a change of its running accelerators or pending jobs."""
+        since = self._tenant_since.get(tenant, self._now)
+        rate = self._tenant_rate.get(tenant, 0.0)
+        waiting = self._tenant_pending.get(tenant, 0)
+        dt = self._now - since
+        trace = self.trace
+        if dt > 0:
+            if rate:
+                trace.tenant_busy[tenant] = trace.tenant_busy.get(tenant, 0.0) + rate * dt
+            if waiting:
+                backlog_busy = trace.tenant_backlog_busy
+                backlog_busy[tenant] = backlog_busy.get(tenant, 0.0) + rate * dt
+                backlog = trace.tenant_backlog_time
+                backlog[tenant] = backlog.get(tenant, 0.0) + dt
+        self._tenant_since[tenant] = self._now
+        if accelerators:
+            self._tenant_rate[tenant] = rate + accelerators
+        if pending:
+            self._tenant_pending[tenant] = waiting + pending
 
     def _finish(self, job_id: JobId) -> None:
         alloc = self.state.release(job_id)
         rec = self.records[job_id]
         rec.finish = self._now
-        rec.attained += (self._now - (rec.run_start or self._now)) * alloc.job.total_accelerators
+        rec.attained += (self._now - (rec.run_start or self._now)) * rec.accelerators
         rec.run_start = None
         rec.remaining_s = 0.0
-        self._account(alloc.job.tenant, -alloc.job.total_accelerators)
+        self._account(alloc.job.tenant, -rec.accelerators)
         self._ledger(alloc, -1.0)
 
     def _preempt(self, job_id: JobId) -> None:
         alloc = self.state.release(job_id)
         rec = self.records[job_id]
         ran = self._now - (rec.run_start or self._now)
-        accelerators = alloc.job.total_accelerators
         restart = self.policy.preemption.checkpoint_restart_s
         # The job keeps its progress (checkpoint) but pays a restart before making more.
-        rec.remaining_s = max(rec.remaining_s - ran, 0.0) + restart
-        rec.attained += ran * accelerators
+        rec.remaining_s = max(rec.remaining_s - ran * rec.speed, 0.0) + restart
+        rec.attained += ran * rec.accelerators
         rec.run_start = None
         rec.preemptions += 1
         rec.epoch += 1
         self.trace.preemptions += 1
-        self.trace.lost_work += restart * accelerators
-        self._account(alloc.job.tenant, -accelerators)
+        self.trace.lost_work += restart * rec.accelerators
+        self._account(alloc.job.tenant, -rec.accelerators, pending=1)
         self._ledger(alloc, -1.0)
         self.state.queues.add(alloc.job, rec.attained)
 
@@ -233,6 +297,5 @@ class Simulation:
         for r in alloc.replicas:
             amount = self._on_node.get(r.node_id, 0.0) + sign * r.accelerators
             self._on_node[r.node_id] = amount
-            node = self.state.cap.nodes[self.state.cap.index[r.node_id]]
-            if amount > node.accelerators + EPS:
+            if amount > self._devices[r.node_id] + EPS:
                 self.trace.overcommit += 1

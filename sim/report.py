@@ -58,30 +58,37 @@ def summarize(
         "lost_work_accelerator_s": trace.lost_work,
         "overcommit": trace.overcommit,
         "cycles": trace.cycles,
-        "tenants": tenant_shares(trace.tenant_busy, entitlement or {}),
+        "tenants": tenant_shares(trace, entitlement or {}),
     }
 
 
-def tenant_shares(
-    busy: Mapping[TenantId, float], entitlement: Mapping[str, float]
-) -> dict[str, dict[str, float]]:
-    """Each tenant's share of the accelerator-seconds used, next to its quota share."""
+def tenant_shares(trace: Trace, entitlement: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Per tenant: `share` of all accelerator-seconds used (once every job has finished this is
+    its share of the demand, whatever the policy), `entitlement` (its quota as a fraction of
+    all quotas), and `share_backlogged`, the fraction of the fleet it held on average while
+    some of its jobs were waiting: what quotas and fair share actually decide."""
+    busy = trace.tenant_busy
     total_busy = sum(busy.values()) or 1.0
     total_quota = sum(entitlement.values()) or 1.0
     names = sorted(set(busy) | set(entitlement))
-    return {
-        t: {
-            "share": busy.get(TenantId(t), 0.0) / total_busy,
+    out = {}
+    for t in names:
+        tenant = TenantId(t)
+        waited = trace.tenant_backlog_time.get(tenant, 0.0)
+        held = trace.tenant_backlog_busy.get(tenant, 0.0)
+        out[t] = {
+            "share": busy.get(tenant, 0.0) / total_busy,
             "entitlement": entitlement.get(t, 0.0) / total_quota if entitlement else 0.0,
+            "share_backlogged": held / (trace.capacity * waited) if waited > 0 else 0.0,
+            "backlogged_s": waited,
         }
-        for t in names
-    }
+    return out
 
 
 def _stat(values: np.ndarray[Any, Any], which: str | int) -> float:
     if values.size == 0:
         return 0.0
-    if which == "mean":
+    if isinstance(which, str):
         return float(values.mean())
     return float(np.percentile(values, which))
 
@@ -174,14 +181,18 @@ def _plots(
     tenants = sorted({t for s in summaries.values() for t in s["tenants"]})
     x = np.arange(len(tenants))
     for i, (name, summary) in enumerate(summaries.items()):
-        shares = [summary["tenants"].get(t, {}).get("share", 0.0) for t in tenants]
-        ax.bar(x + i * width, shares, width, label=f"{name} share")
-    first = next(iter(summaries.values()), {"tenants": {}})
+        held = [summary["tenants"].get(t, {}).get("share_backlogged", 0.0) for t in tenants]
+        ax.bar(x + i * width, held, width, label=f"{name}: held while waiting")
+    first: Mapping[str, Any] = next(iter(summaries.values()), {"tenants": {}})
+    centre = x + 0.4 - width / 2
+    demand = [first["tenants"].get(t, {}).get("share", 0.0) for t in tenants]
+    ax.scatter(centre, demand, color="grey", marker="o", s=20, label="share of demand")
     ent = [first["tenants"].get(t, {}).get("entitlement", 0.0) for t in tenants]
-    ax.scatter(x + 0.4 - width / 2, ent, color="black", marker="_", s=200, label="entitlement")
-    ax.set_xticks(x + 0.4 - width / 2, tenants, rotation=45, ha="right")
-    ax.set(ylabel="share of accelerator-seconds")
-    ax.legend()
+    if any(ent):
+        ax.scatter(centre, ent, color="black", marker="_", s=300, label="entitlement")
+    ax.set_xticks(centre, tenants, rotation=45, ha="right")
+    ax.set(ylabel="fraction of the fleet")
+    ax.legend(fontsize="small")
     fig.savefig(out / "tenant_share.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [out / "jct_cdf.png", out / "utilization.png", out / "tenant_share.png"]

@@ -56,9 +56,11 @@ def compare(
 
 
 def vc_entitlement(path: Path, tenants: list[str], pool_accelerators: float) -> dict[str, float]:
-    """Nominal quotas from philly_vc_nodes.csv scaled so that they sum to the pool; tenants of
-    the trace without a row get 0 (they run only on what the cohort lends)."""
+    """Nominal quotas from philly_vc_nodes.csv, in proportion to each VC's nodes, scaled so that
+    the quotas of the tenants present sum to the pool (a VC absent from the trace must not hold
+    capacity nobody can use); tenants without a row get 0 and run only on what is lent."""
     with path.open(newline="") as handle:
         nodes = {row["vc"]: float(row["node num"]) for row in csv.DictReader(handle)}
-    total = sum(nodes.values()) or 1.0
-    return {t: pool_accelerators * nodes.get(t, 0.0) / total for t in sorted(set(tenants))}
+    present = sorted(set(tenants))
+    total = sum(nodes.get(t, 0.0) for t in present) or 1.0
+    return {t: pool_accelerators * nodes.get(t, 0.0) / total for t in present}

@@ -15,8 +15,9 @@ ALLOWED = {
     "core": {"schemas", "core", "numpy"},
     "sim": {"schemas", "core", "sim", "numpy", "matplotlib", "yaml", "typer", "rich"},
 }
-SERVICES = sorted(p.name for p in (ROOT / "services").iterdir()
-                  if p.is_dir() and (p / "__init__.py").exists())
+SERVICES = sorted(
+    p.name for p in (ROOT / "services").iterdir() if p.is_dir() and (p / "__init__.py").exists()
+)
 
 
 def imports_of(path: Path) -> set[str]:
