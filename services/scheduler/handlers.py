@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -31,6 +32,7 @@ from schemas.events import (
     PlacementRefused,
 )
 from schemas.health import NodeRecovered, NodeUnhealthy
+from schemas.usage import BudgetExceeded
 from services.common.kafka import OutMessage, envelope_for, publish_all
 from services.scheduler.convert import placement_event
 from services.scheduler.state import SchedulerState
@@ -48,6 +50,7 @@ FEED_TOPICS = (
     topics.JOB_PREEMPTED,
     topics.NODE_UNHEALTHY,
     topics.NODE_RECOVERED,
+    topics.BUDGET_EXCEEDED,
 )
 
 
@@ -95,6 +98,8 @@ def _apply(state: SchedulerState, topic: str, env: Envelope) -> None:
         state.on_preempted(JobPreempted.model_validate(env.payload))
     elif topic == topics.CLUSTER_CAPACITY:
         state.on_capacity(ClusterCapacity.model_validate(env.payload))
+    elif topic == topics.BUDGET_EXCEEDED:
+        state.on_budget(BudgetExceeded.model_validate(env.payload))
     elif topic == topics.NODE_UNHEALTHY:
         state.on_node_health(NodeUnhealthy.model_validate(env.payload).node_id, healthy=False)
     elif topic == topics.NODE_RECOVERED:
@@ -126,6 +131,18 @@ class Cycle:
         self.usage: dict[TenantId, float] = {}
         self.last_accrual: float | None = None
 
+    def _policy_for(self, now: float) -> Policy:
+        """The policy with this month's budget deprioritizations applied to tenant weights."""
+        month = datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+        factors = self.state.weight_factors(month)
+        if not factors:
+            return self.policy
+        tenants = {
+            name: replace(t, weight=t.weight * factors.get(name, 1.0))
+            for name, t in self.policy.tenants.items()
+        }
+        return replace(self.policy, tenants=tenants)
+
     def _accrue(self, now: float) -> None:
         """Decayed past usage per tenant, in fleet (virtual) accelerator-seconds."""
         elapsed = 0.0 if self.last_accrual is None else max(0.0, now - self.last_accrual)
@@ -144,7 +161,7 @@ class Cycle:
             state.dirty = False
             self._accrue(now)
             snapshot = replace(state.snapshot(), usage=self.usage)
-            result = schedule(snapshot, self.policy, now, self.rng)
+            result = schedule(snapshot, self._policy_for(now), now, self.rng)
             out = [self._placement(alloc, epoch, now) for alloc in result.placements]
             placed = len(out)
             out.extend(self._explanations(result.pending, now))

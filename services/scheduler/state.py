@@ -15,6 +15,7 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
 )
+from schemas.usage import BudgetExceeded, Enforcement
 from services.scheduler.convert import allocation_from_event, cluster_and_nodes, job_request
 
 # Finished ids are remembered so a late `job.queued` cannot resurrect a job; bounded.
@@ -33,6 +34,8 @@ class SchedulerState:
     finished: OrderedDict[JobId, None] = field(default_factory=OrderedDict)
     # Quarantined by the health service; kept apart from the inventory, which may be re-sent.
     unhealthy: set[NodeId] = field(default_factory=set)
+    # (tenant, 'YYYY-MM') -> fair-share weight factor, from budgets in deprioritize mode.
+    deprioritized: dict[tuple[str, str], float] = field(default_factory=dict)
     # Set when something happened that could let a pending job in; the cycle clears it.
     dirty: bool = True
 
@@ -57,6 +60,23 @@ class SchedulerState:
             }
         )
         self.dirty = True
+
+    def on_budget(self, event: BudgetExceeded) -> None:
+        """A tenant-wide budget in deprioritize mode is used up: lower its fair-share weight
+        for the rest of that month. Project budgets notify or block; shares are per tenant."""
+        if (
+            event.enforcement is not Enforcement.DEPRIORITIZE
+            or event.threshold_pct < 100
+            or event.project is not None
+            or not event.weight_factor
+        ):
+            return
+        key = (event.tenant, event.month)
+        self.deprioritized[key] = min(self.deprioritized.get(key, 1.0), event.weight_factor)
+        self.dirty = True
+
+    def weight_factors(self, month: str) -> dict[str, float]:
+        return {t: f for (t, m), f in self.deprioritized.items() if m == month}
 
     def on_node_health(self, node_id: str, healthy: bool) -> None:
         """The health service's verdict: no new placement lands on an unhealthy node."""

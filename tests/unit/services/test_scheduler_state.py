@@ -166,3 +166,31 @@ def test_preempted_frees_only_the_run_it_names() -> None:
         JobPreempted(job_id="j1", attempt=2, cluster="c1", reason_code="x", message="m")
     )
     assert state.running == {} and state.pending == {}  # the queue decides what comes next
+
+
+def test_a_used_up_deprioritize_budget_lowers_the_tenant_weight_for_its_month() -> None:
+    from schemas.usage import BudgetExceeded, BudgetUnit, Enforcement
+
+    def exceeded(pct: float, project: str | None = None) -> BudgetExceeded:
+        return BudgetExceeded(
+            budget_id="b",
+            tenant="vision",
+            project=project,
+            month="2026-01",
+            unit=BudgetUnit.ACCELERATOR_HOURS,
+            limit=10,
+            used=10,
+            threshold_pct=pct,
+            enforcement=Enforcement.DEPRIORITIZE,
+            weight_factor=0.5,
+            crossed_at=T0,
+            message="m",
+        )
+
+    state = SchedulerState()
+    state.on_budget(exceeded(80))  # a warning threshold changes nothing
+    state.on_budget(exceeded(100, project="p"))  # shares are per tenant, not project
+    assert state.weight_factors("2026-01") == {}
+    state.on_budget(exceeded(100))
+    assert state.weight_factors("2026-01") == {"vision": 0.5}
+    assert state.weight_factors("2026-02") == {}
