@@ -13,10 +13,9 @@ from datetime import UTC, datetime
 from fastapi import FastAPI
 
 from schemas.ids import new_id
+from services.common.bootstrap import open_outboxed
 from services.common.consumer import OffsetCommitter, Records, consume_batches
-from services.common.db import create_pool
 from services.common.kafka import make_broker
-from services.common.outbox import OutboxRelay
 from services.common.policyfile import read_yaml
 from services.common.runtime import Runtime, create_http_app
 from services.health import store
@@ -70,26 +69,15 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
 
     @runtime.on_startup
     async def start() -> None:
-        pool = await create_pool(settings.database_url, settings.db_pool_size)
-        await store.migrate_health(pool)
-        await broker.connect()
-        relay = OutboxRelay(pool, broker, store.SCHEMA)
-        await relay.flush()  # anything a crash left behind goes out before new work
+        pool, relay = await open_outboxed(
+            runtime, broker, committer, schema=store.SCHEMA, migrations=store.MIGRATIONS
+        )
         book = await store.load_book(pool)
         state["monitor"] = HealthMonitor(
             pool, relay, book, rules, metrics, clock=utcnow, new_id=new_id
         )
-        runtime.background(relay.run_forever)
-        runtime.background(committer.run_forever)
         runtime.background(check_loop)
         await broker.start()
-
-        async def close() -> None:
-            await committer.flush()
-            await broker.stop()
-            await pool.close()
-
-        runtime.on_shutdown(close)
 
     app = create_http_app(runtime)
     app.state.runtime = runtime

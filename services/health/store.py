@@ -10,16 +10,11 @@ from pathlib import Path
 import asyncpg
 
 from schemas.health import Severity
-from services.common.db import migrate
 from services.health.book import Changes, HealthBook, Incident
 from services.health.machine import NodeHealth, NodeState, Signal
 
 SCHEMA = "health"
 MIGRATIONS = Path(__file__).parent / "migrations"
-
-
-async def migrate_health(pool: asyncpg.Pool) -> list[str]:
-    return await migrate(pool, SCHEMA, MIGRATIONS)
 
 
 async def load_book(pool: asyncpg.Pool) -> HealthBook:
