@@ -3,6 +3,7 @@ is up. State changes and the events announcing them commit together (outbox)."""
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 from datetime import timedelta
 from typing import Any
@@ -90,12 +91,15 @@ class Executor:
         self.due: list[tuple[float, str, int]] = []
         self.epoch = 0
         self.tombstones: set[str] = set()
+        self._changing = asyncio.Lock()
 
     async def restore(self) -> None:
         jobs, self.epoch, self.tombstones = await self.store.load()
         for job in jobs:
-            if self.book.check(job.replicas) is None:
+            if self.book.check(job.replicas, new=False) is None:
                 self.book.allocate(job.job_id, job.replicas)
+            else:
+                log.error("restored job does not fit its nodes", job_id=job.job_id)
             self._track(job)
         log.info("restored", running=len(jobs), epoch=self.epoch)
 
@@ -130,12 +134,15 @@ class Executor:
                 dead.append(dead_letter(got.record, str(exc), consumer=self.producer))
         if not mine and not dead:
             return
-        try:
-            staged = await self._commit(mine, dead)
-        except Exception:
-            # Memory may be ahead of the store now: rebuild it from the store, then redeliver.
-            await self._reload()
-            raise
+        # One change at a time: a run that ends by its clock must not also be stopped,
+        # preempted or handed back by a batch processed meanwhile.
+        async with self._changing:
+            try:
+                staged = await self._commit(mine, dead)
+            except Exception:
+                # Memory may be ahead of the store: rebuild it from the store, then redeliver.
+                await self._reload()
+                raise
         self.relay.committed(staged)
 
     async def _commit(self, items: list[tuple[Envelope, Any]], dead: list[OutMessage]) -> Staged:
@@ -253,8 +260,8 @@ class Executor:
         """The health service quarantined a node: nothing new lands there, and every gang
         with a replica on it is stopped as a whole and handed back (job.preempted) to be
         requeued elsewhere."""
-        if not self.book.set_health(down.node_id, healthy=False):
-            return []
+        # Marked already (a redelivery after a failed commit): hand back what still runs there.
+        self.book.set_health(down.node_id, healthy=False)
         hit = [j for j in self.running.values() if down.node_id in j.nodes]
         message = f"node {down.node_id} failed ({down.cause}) under a replica of this job"
         log.warning(
@@ -308,6 +315,10 @@ class Executor:
 
     async def finish_due(self, now: float) -> int:
         """End every job whose (virtual) run time is over."""
+        async with self._changing:
+            return await self._finish_due(now)
+
+    async def _finish_due(self, now: float) -> int:
         due: list[RunningJob] = []
         while self.due and self.due[0][0] <= now:
             _, job_id, attempt = heapq.heappop(self.due)

@@ -49,8 +49,10 @@ class NodeBook:
         self.use = {node_id: NodeUse(node) for node_id, node in nodes.items()}
         self.by_job: dict[str, list[tuple[str, list[tuple[int, float]], float, float]]] = {}
 
-    def check(self, replicas: list[ReplicaAssignment]) -> str | None:
-        """Why this gang cannot be honoured on these nodes, or None if it can."""
+    def check(self, replicas: list[ReplicaAssignment], *, new: bool = True) -> str | None:
+        """Why this gang cannot be honoured on these nodes, or None if it can. A gang that
+        already runs (`new=False`, restored after a restart) is booked even on a node that has
+        since turned unhealthy: its devices are taken until it is handed back."""
         trial = {nid: list(u.devices) for nid, u in self.use.items()}
         extra_cpu: dict[str, float] = {}
         extra_mem: dict[str, float] = {}
@@ -58,7 +60,7 @@ class NodeBook:
             use = self.use.get(r.node_id)
             if use is None:
                 return f"node {r.node_id} is not in this cluster"
-            if not use.node.healthy:
+            if new and not use.node.healthy:
                 return f"node {r.node_id} is unhealthy"
             taken = _take_devices(trial[r.node_id], r.accelerators)
             if taken is None:

@@ -102,6 +102,10 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
             )
         return _advance(base, JobState.QUEUED, at)
     if isinstance(p, JobRejected):
+        if view is not None and (view.tenant != env.tenant or view.state is not JobState.SUBMITTED):
+            # Only a job still being submitted can be rejected; anything else is a message about
+            # someone else's job id (a bad spec from another producer reusing it).
+            return view
         tenant = view.tenant if view else (env.tenant or "unknown")
         base = view or JobView(str(p.job_id), tenant, JobState.SUBMITTED, at, at)
         return _advance(

@@ -65,6 +65,7 @@ class QueueProcessor:
                 fresh = await claim_events(conn, store.SCHEMA, [item_event_id(i) for i in unique])
                 todo = [i for i in unique if item_event_id(i) in fresh]
                 job_ids = {j for j in (item_job_id(i) for i in todo) if j}
+                await store.serialize_jobs(conn, job_ids)
                 records_by_id = await store.lock_jobs(conn, job_ids)
                 keys = {
                     (i.submission.spec.tenant, i.submission.spec.idempotency_key)

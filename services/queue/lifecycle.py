@@ -97,12 +97,14 @@ def _stop(rec: JobRecord, env: Envelope, reason: str) -> OutMessage:
 
 
 def _finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: str) -> OutMessage:
+    # The queue ends the *job* (no run of it is going on), so the event names no attempt:
+    # consumers that skip the ends of old runs by attempt must not skip this one.
     done = JobFinished(
         job_id=rec.job_id,
         outcome=outcome,
         reason_code=reason,
         message=msg,
-        attempt=rec.attempt or None,
+        attempt=None,
         cluster=rec.cluster,
     )
     return OutMessage(
@@ -180,8 +182,8 @@ def on_finished(rec: JobRecord, p: JobFinished, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state.terminal:
         return step
-    if p.attempt is not None and p.attempt < rec.attempt:
-        return step
+    if p.attempt is not None and (p.attempt < rec.attempt or p.attempt <= rec.ended_attempt):
+        return step  # an older run's end, or one the platform already ended and requeued
     step.record = replace(
         rec,
         state=JobState(p.outcome.value),
@@ -224,7 +226,10 @@ def on_preempted(rec: JobRecord, p: JobPreempted, env: Envelope, spec: JobSpec |
     back to the queue with its original submit time, avoiding the nodes that failed. Not
     charged to any retry budget."""
     step = Step(rec)
-    if rec.state.terminal or p.attempt != rec.attempt or spec is None:
+    # A preemption can be read before its run's placement (other topic): take it by its own
+    # attempt. A run already ended is never requeued twice.
+    ended = p.attempt < rec.attempt or p.attempt <= rec.ended_attempt
+    if rec.state.terminal or ended or spec is None:
         return step
     if rec.cancel_requested:
         _cancel_now(step, env, "canceled while it was being stopped")
@@ -236,6 +241,7 @@ def on_preempted(rec: JobRecord, p: JobPreempted, env: Envelope, spec: JobSpec |
         state=JobState.QUEUED,
         requeues=rec.requeues + 1,
         excluded_nodes=excluded,
+        attempt=p.attempt,
         ended_attempt=p.attempt,
         updated_at=env.occurred_at,
     )

@@ -40,6 +40,19 @@ def _record(row: asyncpg.Record) -> JobRecord:
     )
 
 
+async def serialize_jobs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> None:
+    """Transaction-scoped advisory locks on these job ids, in a stable order: two consumers
+    (or replicas) touching the same job wait for each other even before its row exists (a
+    cancel racing its own submission)."""
+    ids = sorted(set(job_ids))
+    if ids:
+        await conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtext(id)) FROM "
+            "(SELECT unnest($1::text[]) AS id ORDER BY 1) AS s",
+            ids,
+        )
+
+
 async def lock_jobs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobRecord]:
     ids = sorted(set(job_ids))  # a stable lock order keeps two replicas from deadlocking
     if not ids:

@@ -59,6 +59,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
                 if not await lease.try_acquire():
                     await asyncio.sleep(renew_every)
                     continue
+                await feed.catch_up()
                 log.info("became leader", epoch=lease.epoch)
                 state.dirty = True
                 last_renew = now

@@ -70,6 +70,16 @@ class Feed:
         self.caught_up.set()
         log.info("snapshot caught up", records=self.records)
 
+    async def catch_up(self, poll_s: float = 0.01) -> None:
+        """Wait until everything published so far has been applied (a new leader must not
+        decide on a view that lags the old leader's last decisions)."""
+        assert self._consumer is not None
+        partitions = list(self._consumer.assignment())
+        targets = await self._consumer.end_offsets(partitions)
+        for tp, end in targets.items():
+            while await self._consumer.position(tp) < end:  # noqa: ASYNC110 (no event to wait on)
+                await asyncio.sleep(poll_s)
+
     async def run(self) -> None:
         assert self._consumer is not None
         while True:

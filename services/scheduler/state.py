@@ -34,6 +34,9 @@ class SchedulerState:
     finished: OrderedDict[JobId, None] = field(default_factory=OrderedDict)
     # Quarantined by the health service; kept apart from the inventory, which may be re-sent.
     unhealthy: set[NodeId] = field(default_factory=set)
+    # Highest attempt whose run is over (refused, preempted, requeued): a placement of it read
+    # late (topics are not ordered with each other) must not take capacity again.
+    closed: dict[JobId, int] = field(default_factory=dict)
     # (tenant, 'YYYY-MM') -> fair-share weight factor, from budgets in deprioritize mode.
     deprioritized: dict[tuple[str, str], float] = field(default_factory=dict)
     # Set when something happened that could let a pending job in; the cycle clears it.
@@ -97,6 +100,8 @@ class SchedulerState:
         known = self.queued.get(job_id)
         if known is not None and known.attempt > event.attempt:
             return  # an older queueing, read late
+        if event.requeue_of_attempt is not None:
+            self._close(job_id, event.requeue_of_attempt)
         if job_id in self.running:
             ended = event.requeue_of_attempt
             if ended is None or self.running_attempt[job_id] > ended:
@@ -112,7 +117,7 @@ class SchedulerState:
         """A placement, ours or a previous leader's; applying it twice changes nothing."""
         job_id = JobId(event.job_id)
         self.attempts[job_id] = max(self.attempts.get(job_id, 0), event.attempt)
-        if job_id in self.finished:
+        if job_id in self.finished or event.attempt <= self.closed.get(job_id, 0):
             return
         if self.running_attempt.get(job_id, -1) >= event.attempt:
             return
@@ -128,8 +133,12 @@ class SchedulerState:
     def on_preempted(self, event: JobPreempted) -> None:
         """The platform ended a run; the queue decides what happens next (job.queued)."""
         job_id = JobId(event.job_id)
+        self._close(job_id, event.attempt)
         if self.running_attempt.get(job_id) == event.attempt:
             self._free(job_id)
+
+    def _close(self, job_id: JobId, attempt: int) -> None:
+        self.closed[job_id] = max(self.closed.get(job_id, 0), attempt)
 
     def _free(self, job_id: JobId) -> None:
         self.running.pop(job_id, None)
@@ -138,6 +147,7 @@ class SchedulerState:
 
     def on_refused(self, event: PlacementRefused) -> None:
         job_id = JobId(event.job_id)
+        self._close(job_id, event.attempt)
         if self.running_attempt.get(job_id) != event.attempt:
             return
         alloc = self.running.pop(job_id)
@@ -148,6 +158,12 @@ class SchedulerState:
 
     def on_finished(self, event: JobFinished) -> None:
         job_id = JobId(event.job_id)
+        if event.attempt is not None and (
+            event.attempt < self.running_attempt.get(job_id, 0)
+            or event.attempt <= self.closed.get(job_id, 0)
+        ):
+            return  # the end of an older run, or of one already ended and requeued
+        self.closed.pop(job_id, None)
         self.pending.pop(job_id, None)
         self.queued.pop(job_id, None)
         self.attempts.pop(job_id, None)

@@ -209,3 +209,31 @@ def test_a_cancel_requested_run_that_is_preempted_ends_canceled() -> None:
     plan = plan_batch([preempted("j1")], {"j1": rec}, {}, policy(), specs={"j1": spec(job_id="j1")})
     assert plan.updates["j1"].state is JobState.CANCELED
     assert topics_of(plan) == [topics.JOB_FINISHED]
+
+
+def test_a_preemption_read_before_its_placement_still_requeues_once() -> None:
+    records = {"j1": record("j1", JobState.QUEUED)}
+    started = lifecycle(
+        "JobStarted", JobStarted(job_id="j1", attempt=1, cluster="c1", nodes=["n1"], started_at=T0)
+    )
+    again = preempted("j1")
+    plan = plan_batch(
+        [preempted("j1"), placed("j1"), started, again],
+        records,
+        {},
+        policy(),
+        specs={"j1": spec(job_id="j1")},
+    )
+    assert plan.updates["j1"].state is JobState.QUEUED
+    assert topics_of(plan) == [topics.JOB_QUEUED]  # one requeue, whatever came late
+
+
+def test_the_end_of_a_run_already_requeued_does_not_end_the_job() -> None:
+    records = {"j1": record("j1", JobState.RUNNING, attempt=1)}
+    finished = lifecycle(
+        "JobFinished", JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED)
+    )
+    plan = plan_batch(
+        [preempted("j1"), finished], records, {}, policy(), specs={"j1": spec(job_id="j1")}
+    )
+    assert plan.updates["j1"].state is JobState.QUEUED

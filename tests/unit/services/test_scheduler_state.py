@@ -194,3 +194,24 @@ def test_a_used_up_deprioritize_budget_lowers_the_tenant_weight_for_its_month() 
     state.on_budget(exceeded(100))
     assert state.weight_factors("2026-01") == {"vision": 0.5}
     assert state.weight_factors("2026-02") == {}
+
+
+def test_a_refusal_read_before_its_placement_keeps_the_job_pending() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_refused(
+        PlacementRefused(
+            job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="x", message="y"
+        )
+    )
+    state.on_placed(placed("j1"), 1.0)  # replayed late: that run never took capacity
+    assert state.running == {} and list(state.pending) == ["j1"]
+    assert state.next_attempt("j1") == 2  # type: ignore[arg-type]
+
+
+def test_the_end_of_an_older_run_frees_nothing() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", attempt=2), 1.0)
+    state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
+    assert list(state.running) == ["j1"]
