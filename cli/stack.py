@@ -273,6 +273,19 @@ class Stack:
         self._wait_healthy(timeout, [service])
         return service
 
+    def restart(self, service: Service, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """Start a service that died (or was killed) again, on its port, appending to its log;
+        for chaos runs. Only in the process that started the stack."""
+        if self.base_env is None:
+            raise StackError("restart needs the process that started the stack")
+        env = {**self.base_env, "QM_HTTP_PORT": str(service.port), **service.extra_env}
+        service.process = spawn(
+            [sys.executable, "-m", service.module], log=service.log, env=env, cwd=PROJECT_ROOT
+        )
+        service.pid = service.process.pid
+        self.save()
+        self._wait_healthy(timeout, [service])
+
     def _wait_healthy(self, timeout: float, services: list[Service] | None = None) -> None:
         deadline = time.monotonic() + timeout
         pending = list(self.services if services is None else services)
