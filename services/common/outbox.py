@@ -70,7 +70,7 @@ class OutboxRelay:
     The fast path: after its transaction commits, a handler hands the staged messages to
     `committed()`; they go out from memory at once (no read back) and their rows are deleted
     afterwards. The slow path scans the table for rows nobody is publishing: at start-up
-    (left by a crash), when kicked, and every `interval_s` for rows older than
+    (left by a crash) and every `interval_s` for rows older than
     `stale_after_s` (a failed publish or delete).
     """
 
@@ -89,10 +89,8 @@ class OutboxRelay:
         self._stale_after_s = stale_after_s
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._scan_asked = False
         self._queue: list[Staged] = []
         self._inflight: set[int] = set()
-        self.published = 0
 
     def committed(self, staged: Staged) -> None:
         """Publish these now; their transaction has committed."""
@@ -100,11 +98,6 @@ class OutboxRelay:
             self._queue.append(staged)
             self._inflight.update(staged.ids)
             self._wake.set()
-
-    def kick(self) -> None:
-        """Ask for a scan of the table now."""
-        self._scan_asked = True
-        self._wake.set()
 
     async def _publish(self, messages: Sequence[tuple[str, str, str, bytes]]) -> None:
         futures = []
@@ -137,7 +130,6 @@ class OutboxRelay:
             finally:
                 # Published or not, the rows are the scan's business from here on.
                 self._inflight.difference_update(ids)
-            self.published += len(ids)
             return len(ids)
 
     async def flush(self, *, min_age_s: float = 0.0) -> int:
@@ -149,7 +141,6 @@ class OutboxRelay:
                 total += sent
                 if sent < self._batch:
                     break
-        self.published += total
         return total
 
     async def _flush_once(self, min_age_s: float) -> int:
@@ -184,9 +175,8 @@ class OutboxRelay:
             self._wake.clear()
             try:
                 await self.publish_committed()
-                if self._scan_asked or not woken:
-                    self._scan_asked = False
-                    await self.flush(min_age_s=0.0 if woken else self._stale_after_s)
+                if not woken:
+                    await self.flush(min_age_s=self._stale_after_s)
             except Exception:
                 log.warning("outbox relay failed; will retry", exc_info=True)
                 await asyncio.sleep(0.2)

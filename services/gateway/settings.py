@@ -8,6 +8,5 @@ class GatewaySettings(ServiceSettings):
     http_port: int = 8080
     # The read model is not on any job's critical path: poll the broker less often.
     fetch_max_wait_ms: int = 100
-    list_limit_max: int = 1000
     # How long `?follow=true` keeps a quiet event stream open before closing it.
     watch_idle_timeout_s: float = 3600.0

@@ -184,20 +184,6 @@ async def add_rejections(
         )
 
 
-async def job_history(conn: asyncpg.Connection, job_id: str) -> list[dict[str, object]]:
-    rows = await conn.fetch(
-        "SELECT at, state, event_type, reason_code, message FROM queue.job_history "
-        "WHERE job_id = $1 ORDER BY id",
-        job_id,
-    )
-    return [dict(r) for r in rows]
-
-
-async def job_spec(conn: asyncpg.Connection, job_id: str) -> JobSpec | None:
-    raw = await conn.fetchval("SELECT spec FROM queue.jobs WHERE job_id = $1", job_id)
-    return None if raw is None else JobSpec.model_validate(json.loads(raw))
-
-
 async def take_early_cancels(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, str]:
     """Cancels that arrived before these jobs did; they are consumed by this call."""
     ids = sorted(set(job_ids))
