@@ -114,6 +114,7 @@ class _Run:
             types_of=state.types_of,
             attained=state.attained,
             preempting=state.preempting,
+            protected=state.protected,
             quota=state.quota,
             pending_ranks=frozenset(-tier[0] for tier in state.queues.lanes),
             policy=policy,

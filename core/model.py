@@ -136,7 +136,9 @@ class Snapshot:
     `usage` is each tenant's decayed past consumption in accelerator-seconds (see
     `core.fairshare.decay_usage`); `attained` is each job's attained service in
     accelerator-seconds across all its runs, used by least-attained-service ordering;
-    `preempting` names running jobs already ordered to yield, so they are not chosen again.
+    `preempting` names running jobs already ordered to yield, so they are not chosen again;
+    `protected` names running jobs that must not be chosen as victims for now (e.g. the
+    preemptor just declined to preempt them) but are not leaving either.
     """
 
     clusters: Mapping[ClusterId, Cluster]
@@ -146,3 +148,4 @@ class Snapshot:
     usage: Mapping[TenantId, float] = field(default_factory=dict)
     attained: Mapping[JobId, float] = field(default_factory=dict)
     preempting: frozenset[JobId] = frozenset()
+    protected: frozenset[JobId] = frozenset()

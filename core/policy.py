@@ -7,6 +7,7 @@ and lenient about absence (every section has a documented default).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -114,6 +115,16 @@ class Preemption:
     # Cost of one checkpoint and restart, charged by the simulator as lost work.
     checkpoint_restart_s: float = 60.0
     max_victims: int = 64
+    # The live preemptor's guards and timings (fleet seconds); the simulator ignores them.
+    # A victim's checkpoint grace period is its spec's, never longer than this.
+    grace_cap_s: float = 300.0
+    # At most this many of one tenant's runs are preempted per window (a disruption budget).
+    max_preemptions_per_tenant: int = 20
+    budget_window_s: float = 3600.0
+    # A preempted job waits this long before it may be placed again, doubling per
+    # preemption up to the cap, so room made for a claim is not taken straight back.
+    requeue_backoff_s: float = 30.0
+    requeue_backoff_cap_s: float = 900.0
 
 
 @dataclass(frozen=True)
@@ -321,7 +332,7 @@ def _parse_backfill(raw: Any) -> Backfill:
 
 
 def _parse_preemption(raw: Any) -> Preemption:
-    keys = {"enabled", "reclaim", "min_runtime_s", "checkpoint_restart_s", "max_victims"}
+    keys = {f.name for f in dataclasses.fields(Preemption)}
     return Preemption(**_fields(raw, "preemption", keys))
 
 

@@ -204,6 +204,8 @@ class VictimSearch:
     pending_ranks: frozenset[int]
     policy: Policy
     now: float
+    # Never victims in this cycle, though not leaving (the preemptor declined them).
+    protected: frozenset[JobId] = frozenset()
     attempts: int = 0
     taken: set[JobId] = field(default_factory=set)
     _pool: VictimPool | None = None
@@ -308,7 +310,7 @@ class VictimSearch:
                 self.types_of,
                 self.attained,
                 guaranteed_jobs(self.running, self.types_of, self.policy),
-                self.preempting,
+                self.preempting | self.protected,
                 self.now,
                 self.policy,
             )

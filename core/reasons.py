@@ -22,6 +22,8 @@ class ReasonCode(StrEnum):
     HEAD_OF_LINE_BLOCKED = "head_of_line_blocked"
     # Victims were chosen; the job is placed once they have left.
     AWAITING_PREEMPTION = "awaiting_preemption"
+    # Requeued after its last run ended and waiting out its backoff (live scheduler only).
+    BACKING_OFF = "backing_off"
     # Reasons a running job is chosen as a victim.
     PREEMPTED_FOR_PRIORITY = "preempted_for_priority"
     RECLAIMED_BORROWED = "reclaimed_borrowed"

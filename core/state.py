@@ -29,6 +29,7 @@ class CycleState:
     types_of: dict[JobId, str]
     attained: Mapping[JobId, float] = field(default_factory=dict)
     preempting: frozenset[JobId] = frozenset()
+    protected: frozenset[JobId] = frozenset()
     # Running jobs by node, kept in step with `running` (reservations estimate from it).
     on_node: dict[NodeId, dict[JobId, Allocation]] = field(default_factory=dict)
 
@@ -56,6 +57,7 @@ class CycleState:
             types_of=types_of,
             attained=snapshot.attained,
             preempting=snapshot.preempting,
+            protected=snapshot.protected,
         )
 
     def release(self, job_id: JobId) -> Allocation:

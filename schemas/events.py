@@ -58,6 +58,10 @@ class JobQueued(Payload):
     excluded_nodes: list[str] = Field(
         default_factory=list, description="Nodes this job must avoid (they failed under it)."
     )
+    not_before: datetime | None = Field(
+        default=None,
+        description="On a requeue with backoff: the scheduler places the job no earlier.",
+    )
 
 
 class JobRejected(Payload):
@@ -130,6 +134,114 @@ class JobPreempted(Payload):
     message: str
     failed_nodes: list[str] = Field(default_factory=list)
     ran_s: float = 0.0
+    work_kept_s: float = Field(
+        default=0.0, description="Seconds of this run saved by its last checkpoint (fleet time)."
+    )
+    work_lost_s: float = Field(
+        default=0.0, description="Seconds of this run after its last checkpoint, to redo."
+    )
+    for_job: str | None = Field(
+        default=None, description="On a preemption for a higher claim: the job it made room for."
+    )
+
+
+class RunFailed(Payload):
+    """A run ended by the job itself failing (process exit, out of memory). Not terminal: the
+    queue retries it if the job's retry policy allows, else ends the job `failed`."""
+
+    job_id: str
+    attempt: int
+    cluster: str
+    reason_code: str = Field(description="application_error or out_of_memory.")
+    message: str
+    exit_code: int | None = None
+    ran_s: float = 0.0
+
+
+class Claim(Payload):
+    """How strongly a job holds or asks for capacity; compared as a tuple, higher wins."""
+
+    rank: int = Field(description="Priority class rank.")
+    guaranteed: bool = Field(description="Within its tenant's nominal quota.")
+    level: int = Field(default=0, description="Attained-service level; lower is stronger.")
+
+    def key(self) -> tuple[int, bool, int]:
+        return (self.rank, self.guaranteed, -self.level)
+
+
+class PreemptionRequested(Payload):
+    """The scheduler leader asks that a running job yield to a pending one (key: the victim)."""
+
+    job_id: str = Field(description="The victim.")
+    attempt: int = Field(description="The victim's run that must yield.")
+    cluster: str
+    tenant: str = Field(description="The victim's tenant.")
+    priority_class: str
+    claim: Claim = Field(description="The victim's claim.")
+    for_job: str = Field(description="The pending job that needs the room.")
+    for_tenant: str
+    for_priority_class: str
+    for_claim: Claim
+    reason_code: str = Field(
+        description="preempted_for_priority, reclaimed_borrowed or preempted_attained_service."
+    )
+    message: str
+    grace_s: float = Field(description="The victim's checkpoint grace period (fleet seconds).")
+    epoch: int
+    leader: str
+
+
+class PreemptionCanceled(Payload):
+    """The preemptor did not (or no longer will) preempt this run, and why (key: the victim)."""
+
+    job_id: str
+    attempt: int
+    for_job: str
+    reason_code: str = Field(
+        description=(
+            "min_runtime, tenant_budget, claim_not_higher, requester_gone, victim_gone, "
+            "not_preemptible or stale_epoch."
+        )
+    )
+    message: str
+
+
+class JobCheckpointRequested(Payload):
+    """Command to an executor: signal this run to checkpoint now; it is stopped at `stop_at`."""
+
+    job_id: str
+    attempt: int
+    cluster: str
+    grace_s: float = Field(description="Fleet seconds the job has to save its work.")
+    stop_at: datetime = Field(description="When the stop order follows (wall clock).")
+    for_job: str
+    reason_code: str
+
+
+class JobPreemptOrdered(Payload):
+    """Command to an executor: the grace period is over, stop this run and hand it back."""
+
+    job_id: str
+    attempt: int
+    cluster: str
+    for_job: str
+    reason_code: str
+    message: str
+
+
+class ReplicaProgress(Payload):
+    replica: int
+    node_id: str
+    step_time_s: float = Field(description="Mean seconds per training step over the interval.")
+
+
+class JobProgress(Payload):
+    """How fast each replica of a running gang advances (key: job id); stragglers show here."""
+
+    job_id: str
+    attempt: int
+    cluster: str
+    replicas: list[ReplicaProgress]
 
 
 class JobStopOrdered(Payload):

@@ -87,6 +87,25 @@ class Topology(BaseModel):
     )
 
 
+class Retry(BaseModel):
+    """What happens when the job itself fails (node and cluster failures never count)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    max_retries: int = Field(
+        default=2, ge=0, le=20, description="Runs retried after an application error or OOM."
+    )
+    backoff_s: float = Field(
+        default=30, ge=0, le=86400, description="Wait before the first retry; doubles each time."
+    )
+    oom_memory_factor: float | None = Field(
+        default=None,
+        gt=1,
+        le=4,
+        description="On out of memory, retry with host memory times this; unset fails at once.",
+    )
+
+
 class JobSpec(BaseModel):
     """Every field a job carries (ARCHITECTURE §2). Unknown fields are ignored."""
 
@@ -110,6 +129,7 @@ class JobSpec(BaseModel):
     preemptible: bool = True
     checkpoint_grace_s: float = Field(default=30, ge=0, le=3600)
     max_runtime_s: float | None = Field(default=None, gt=0)
+    retry: Retry = Retry()
     image: str | None = None
     command: tuple[str, ...] = ()
     labels: dict[str, str] = Field(default_factory=dict)

@@ -31,6 +31,11 @@ JOB_FINISHED = "job.finished"
 JOB_PREEMPTED = "job.preempted"
 JOB_STOP_ORDERED = "job.stop.ordered"
 PREEMPTION_REQUESTED = "preemption.requested"
+PREEMPTION_CANCELED = "preemption.canceled"
+JOB_CHECKPOINT_REQUESTED = "job.checkpoint.requested"
+JOB_PREEMPT_ORDERED = "job.preempt.ordered"
+JOB_RUN_FAILED = "job.run.failed"
+JOB_PROGRESS = "job.progress"
 NODE_HEARTBEAT = "node.heartbeat"
 NODE_PROBE = "node.probe"
 NODE_UNHEALTHY = "node.unhealthy"
@@ -126,12 +131,52 @@ TOPICS: tuple[Topic, ...] = (
         "Command: executors stop a job's replicas.",
     ),
     Topic(
+        JOB_RUN_FAILED,
+        _JOB,
+        4,
+        "RunFailed",
+        events.RunFailed,
+        "A run failed by the job's own fault (exit code, OOM); the queue retries or ends it.",
+    ),
+    Topic(
         PREEMPTION_REQUESTED,
         _JOB,
-        2,
+        4,
         "PreemptionRequested",
-        None,
-        "The scheduler names victims to make room for a job.",
+        events.PreemptionRequested,
+        "The scheduler leader asks that a running job yield to a higher claim (key: victim).",
+    ),
+    Topic(
+        PREEMPTION_CANCELED,
+        _JOB,
+        4,
+        "PreemptionCanceled",
+        events.PreemptionCanceled,
+        "The preemptor declined or called off a preemption, with the guard that stopped it.",
+    ),
+    Topic(
+        JOB_CHECKPOINT_REQUESTED,
+        _JOB,
+        4,
+        "JobCheckpointRequested",
+        events.JobCheckpointRequested,
+        "Command: an executor signals a run to checkpoint before it is stopped.",
+    ),
+    Topic(
+        JOB_PREEMPT_ORDERED,
+        _JOB,
+        4,
+        "JobPreemptOrdered",
+        events.JobPreemptOrdered,
+        "Command: an executor stops a run whose grace period is over and hands it back.",
+    ),
+    Topic(
+        JOB_PROGRESS,
+        _JOB,
+        4,
+        "JobProgress",
+        events.JobProgress,
+        "Per-replica step times of running gangs; the health service finds stragglers in it.",
     ),
     Topic(
         NODE_HEARTBEAT,

@@ -8,8 +8,6 @@ from services.common.settings import REPO_ROOT, ServiceSettings
 class MeterSettings(ServiceSettings):
     group_id: str = "meter"
     budgets_file: Path = REPO_ROOT / "examples" / "budgets.yaml"
-    # Fleet seconds per wall-clock second: the executors' QM_TIME_SCALE (1 on a real cluster).
-    time_scale: float = 60.0
     # Length of a metering interval in fleet seconds (QM_METER_INTERVAL_S).
     meter_interval_s: float = 60.0
     # An open run's interval is billed this long (wall clock) after it ends, so that a run

@@ -32,7 +32,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
     broker = make_broker(settings, NAME, runtime.registry)
     policy = load_policy(settings.policy_file)
     metrics = SchedulerMetrics(runtime.registry)
-    state = SchedulerState()
+    state = SchedulerState(time_scale=settings.time_scale)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     wake = asyncio.Event()
 
@@ -69,6 +69,8 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
                     continue
                 last_renew = now
             metrics.leader.set(1)
+            if state.wake_due(time.time()):
+                state.dirty = True  # a backoff or a protection ran out
             if state.dirty or now - last_cycle >= settings.idle_cycle_s:
                 assert lease.epoch is not None
                 await cycle.run_once(lease.epoch)

@@ -21,7 +21,8 @@ from core.model import (
 from schemas.events import ClusterCapacity, JobQueued, PlacementDecided, ReplicaAssignment
 
 
-def job_request(event: JobQueued) -> JobRequest:
+def job_request(event: JobQueued, time_scale: float = 1.0) -> JobRequest:
+    """The core's view of a queued job; times are fleet time (wall x `time_scale`)."""
     spec = event.spec
     res = spec.resources
     return JobRequest(
@@ -41,7 +42,7 @@ def job_request(event: JobQueued) -> JobRequest:
         topology=TopologyLevel(spec.topology.level.value),
         topology_required=spec.topology.required,
         preemptible=spec.preemptible,
-        submit_time=event.submitted_at.timestamp(),
+        submit_time=event.submitted_at.timestamp() * time_scale,
         max_runtime_s=spec.max_runtime_s,
         excluded_nodes=frozenset(NodeId(n) for n in event.excluded_nodes),
     )

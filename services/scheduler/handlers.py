@@ -16,12 +16,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
 from core.cycle import schedule
+from core.decisions import PreemptionDecision
 from core.fairshare import accrue
 from core.model import Allocation, JobId, TenantId
 from core.policy import Policy
-from core.reasons import PendingExplanation
+from core.reasons import PendingExplanation, ReasonCode
 from schemas import topics
 from schemas.envelope import Envelope
+from schemas.events import Claim as WireClaim
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
@@ -30,6 +32,9 @@ from schemas.events import (
     PendingExplained,
     PlacementDecided,
     PlacementRefused,
+    PreemptionCanceled,
+    PreemptionRequested,
+    RunFailed,
 )
 from schemas.health import NodeRecovered, NodeUnhealthy
 from schemas.usage import BudgetExceeded
@@ -48,6 +53,9 @@ FEED_TOPICS = (
     topics.PLACEMENT_REFUSED,
     topics.JOB_FINISHED,
     topics.JOB_PREEMPTED,
+    topics.JOB_RUN_FAILED,
+    topics.PREEMPTION_REQUESTED,
+    topics.PREEMPTION_CANCELED,
     topics.NODE_UNHEALTHY,
     topics.NODE_RECOVERED,
     topics.BUDGET_EXCEEDED,
@@ -69,6 +77,12 @@ class SchedulerMetrics:
         )
         self.leader = Gauge(
             "qm_scheduler_is_leader", "1 while this process leads", registry=registry
+        )
+        self.preemptions = Counter(
+            "qm_scheduler_preemptions_requested_total",
+            "Victims asked to yield",
+            ["reason"],
+            registry=registry,
         )
 
 
@@ -96,6 +110,14 @@ def _apply(state: SchedulerState, topic: str, env: Envelope) -> None:
         state.on_finished(JobFinished.model_validate(env.payload))
     elif topic == topics.JOB_PREEMPTED:
         state.on_preempted(JobPreempted.model_validate(env.payload))
+    elif topic == topics.JOB_RUN_FAILED:
+        state.on_preempted(RunFailed.model_validate(env.payload))
+    elif topic == topics.PREEMPTION_REQUESTED:
+        state.on_preemption_requested(PreemptionRequested.model_validate(env.payload))
+    elif topic == topics.PREEMPTION_CANCELED:
+        state.on_preemption_canceled(
+            PreemptionCanceled.model_validate(env.payload), env.occurred_at.timestamp()
+        )
     elif topic == topics.CLUSTER_CAPACITY:
         state.on_capacity(ClusterCapacity.model_validate(env.payload))
     elif topic == topics.BUDGET_EXCEEDED:
@@ -155,16 +177,22 @@ class Cycle:
         )
 
     async def run_once(self, epoch: int, now: float | None = None) -> int:
+        """One cycle at wall-clock time `now`; the core decides in fleet time."""
         state = self.state
         now = time.time() if now is None else now
         with self.metrics.cycle.time():
             state.dirty = False
             self._accrue(now)
-            snapshot = replace(state.snapshot(), usage=self.usage)
-            result = schedule(snapshot, self._policy_for(now), now, self.rng)
+            snapshot = replace(state.snapshot(now), usage=self.usage)
+            policy = self._policy_for(now)
+            result = schedule(snapshot, policy, state.fleet_time(now), self.rng)
             out = [self._placement(alloc, epoch, now) for alloc in result.placements]
             placed = len(out)
-            out.extend(self._explanations(result.pending, now))
+            for decision in result.preemptions:
+                out.extend(self._preemptions(decision, policy, epoch))
+            pending = dict(result.pending)
+            pending.update(self._backoffs(now))
+            out.extend(self._explanations(pending, now))
         if out:
             await publish_all(self.broker, out)
         self.metrics.placed.inc(placed)
@@ -191,6 +219,68 @@ class Cycle:
         return OutMessage(
             topics.PLACEMENT_DECIDED, job_id, env, headers=(("cluster", str(alloc.cluster)),)
         )
+
+    def _preemptions(
+        self, decision: PreemptionDecision, policy: Policy, epoch: int
+    ) -> list[OutMessage]:
+        """Ask the preemptor to make room: one request per victim, keyed by the victim.
+
+        Claims go on the wire so the preemptor can check "never for a claim that is not
+        higher" on its own: rank from the policy; quota standing and service level follow
+        from the mechanism the core used (reclaim: borrowed vs guaranteed; LAS: more vs less
+        attained service at the same rank and standing)."""
+        state = self.state
+        requester = state.pending.get(decision.for_job)
+        if requester is None:
+            return []
+        out = []
+        for victim in decision.victims:
+            alloc = state.running.get(victim.job_id)
+            attempt = state.running_attempt.get(victim.job_id)
+            queued = state.queued.get(victim.job_id)
+            if alloc is None or attempt is None or queued is None:
+                continue
+            reclaim = victim.reason is ReasonCode.RECLAIMED_BORROWED
+            las = victim.reason is ReasonCode.PREEMPTED_ATTAINED_SERVICE
+            event = PreemptionRequested(
+                job_id=victim.job_id,
+                attempt=attempt,
+                cluster=alloc.cluster,
+                tenant=alloc.job.tenant,
+                priority_class=alloc.job.priority_class,
+                claim=WireClaim(
+                    rank=policy.rank(alloc.job.priority_class),
+                    guaranteed=not reclaim,
+                    level=1 if las else 0,
+                ),
+                for_job=requester.job_id,
+                for_tenant=requester.tenant,
+                for_priority_class=requester.priority_class,
+                for_claim=WireClaim(rank=policy.rank(requester.priority_class), guaranteed=True),
+                reason_code=str(victim.reason),
+                message=victim.message,
+                grace_s=queued.spec.checkpoint_grace_s,
+                epoch=epoch,
+                leader=self.leader,
+            )
+            state.on_preemption_requested(event)
+            self.metrics.preemptions.labels(str(victim.reason)).inc()
+            env = envelope_for(
+                "PreemptionRequested", event, producer=PRODUCER, tenant=alloc.job.tenant
+            )
+            out.append(OutMessage(topics.PREEMPTION_REQUESTED, victim.job_id, env))
+        return out
+
+    def _backoffs(self, now: float) -> dict[JobId, PendingExplanation]:
+        """Why a requeued job backing off is not placed yet."""
+        out = {}
+        for job_id, until in self.state.backing_off(now).items():
+            at = datetime.fromtimestamp(until, UTC).strftime("%H:%M:%S")
+            out[job_id] = PendingExplanation(
+                codes=(ReasonCode.BACKING_OFF,),
+                message=f"backing off after its last run ended; may be placed from {at} UTC",
+            )
+        return out
 
     def _explanations(
         self, pending: Mapping[JobId, PendingExplanation], now: float

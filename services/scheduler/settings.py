@@ -13,6 +13,3 @@ class SchedulerSettings(ServiceSettings):
     lease_name: str = "qm:scheduler:leader"
     lease_ttl_ms: int = 3000
     seed: int = 0
-    # Virtual seconds per real second on the simulated fleet (as the executors use it), so
-    # fair-share usage and its half-life are counted in fleet time.
-    time_scale: float = 60.0

@@ -14,12 +14,18 @@ from schemas.events import (
     JobQueued,
     PlacementDecided,
     PlacementRefused,
+    PreemptionCanceled,
+    PreemptionRequested,
+    RunFailed,
 )
 from schemas.usage import BudgetExceeded, Enforcement
 from services.scheduler.convert import allocation_from_event, cluster_and_nodes, job_request
 
 # Finished ids are remembered so a late `job.queued` cannot resurrect a job; bounded.
 FINISHED_MEMORY = 500_000
+# After the preemptor declines to preempt a run, it is no victim for this long (wall seconds),
+# so the next cycle does not ask for the same run again at once.
+DECLINED_PROTECTION_S = 30.0
 
 
 @dataclass
@@ -39,16 +45,49 @@ class SchedulerState:
     closed: dict[JobId, int] = field(default_factory=dict)
     # (tenant, 'YYYY-MM') -> fair-share weight factor, from budgets in deprioritize mode.
     deprioritized: dict[tuple[str, str], float] = field(default_factory=dict)
+    # Victims asked to yield (preemption.requested) whose run has not ended: victim ->
+    # (its attempt, the job it yields to). The core neither picks them again nor counts their
+    # capacity as lost for good while they leave.
+    preempting: dict[JobId, tuple[int, JobId]] = field(default_factory=dict)
+    # Runs the preemptor declined to preempt: no victims until this wall-clock time.
+    protected: dict[JobId, float] = field(default_factory=dict)
+    # Requeued jobs backing off: not placed before this wall-clock time (JobQueued.not_before).
+    held: dict[JobId, float] = field(default_factory=dict)
+    # Fleet seconds per wall second. The core sees fleet time, so durations in specs and the
+    # policy (max runtime, minimum runtime before preemption) mean what they say.
+    time_scale: float = 1.0
     # Set when something happened that could let a pending job in; the cycle clears it.
     dirty: bool = True
 
-    def snapshot(self) -> Snapshot:
+    def fleet_time(self, wall: float) -> float:
+        return wall * self.time_scale
+
+    def snapshot(self, now: float) -> Snapshot:
+        """What the core may look at, at wall-clock time `now`."""
+        for job_id in [j for j, until in self.protected.items() if until <= now]:
+            del self.protected[job_id]
         return Snapshot(
             clusters=self.clusters,
             nodes=self.nodes,
             running=self.running,
-            pending=list(self.pending.values()),
+            pending=[
+                job for job_id, job in self.pending.items() if self.held.get(job_id, 0.0) <= now
+            ],
+            preempting=frozenset(self.preempting),
+            protected=frozenset(j for j in self.protected if j in self.running),
         )
+
+    def backing_off(self, now: float) -> dict[JobId, float]:
+        """Pending jobs still held back at `now`, with the time they may be placed."""
+        return {j: t for j, t in self.held.items() if t > now and j in self.pending}
+
+    def wake_due(self, now: float) -> bool:
+        """Whether a backoff or a protection has run out, so a cycle could place more."""
+        ends = [t for t in self.held.values() if t <= now]
+        ends += [t for t in self.protected.values() if t <= now]
+        for job_id in [j for j, t in self.held.items() if t <= now]:
+            del self.held[job_id]
+        return bool(ends)
 
     def on_capacity(self, event: ClusterCapacity) -> None:
         cluster, nodes = cluster_and_nodes(event)
@@ -110,11 +149,16 @@ class SchedulerState:
             # job.preempted that says so has not been read yet.
             self._free(job_id)
         self.queued[job_id] = event
-        self.pending[job_id] = job_request(event)
+        self.pending[job_id] = job_request(event, self.time_scale)
+        if event.not_before is not None:
+            self.held[job_id] = event.not_before.timestamp()
+        else:
+            self.held.pop(job_id, None)
         self.dirty = True
 
     def on_placed(self, event: PlacementDecided, at: float) -> None:
-        """A placement, ours or a previous leader's; applying it twice changes nothing."""
+        """A placement, ours or a previous leader's, decided at wall time `at`; applying it
+        twice changes nothing."""
         job_id = JobId(event.job_id)
         self.attempts[job_id] = max(self.attempts.get(job_id, 0), event.attempt)
         if job_id in self.finished or event.attempt <= self.closed.get(job_id, 0):
@@ -123,15 +167,17 @@ class SchedulerState:
             return
         queued = self.queued.get(job_id)
         request = self.pending.pop(job_id, None) or (
-            job_request(queued) if queued is not None else None
+            job_request(queued, self.time_scale) if queued is not None else None
         )
         if request is None:
             return  # placement seen before its job.queued; the queued event will bring it
-        self.running[job_id] = allocation_from_event(event, request, at)
+        self.held.pop(job_id, None)
+        self.running[job_id] = allocation_from_event(event, request, self.fleet_time(at))
         self.running_attempt[job_id] = event.attempt
 
-    def on_preempted(self, event: JobPreempted) -> None:
-        """The platform ended a run; the queue decides what happens next (job.queued)."""
+    def on_preempted(self, event: JobPreempted | RunFailed) -> None:
+        """The platform ended a run, or it failed; the queue decides what happens next
+        (job.queued or job.finished)."""
         job_id = JobId(event.job_id)
         self._close(job_id, event.attempt)
         if self.running_attempt.get(job_id) == event.attempt:
@@ -143,6 +189,24 @@ class SchedulerState:
     def _free(self, job_id: JobId) -> None:
         self.running.pop(job_id, None)
         self.running_attempt.pop(job_id, None)
+        self.preempting.pop(job_id, None)
+        self.protected.pop(job_id, None)
+        self.dirty = True
+
+    def on_preemption_requested(self, event: PreemptionRequested) -> None:
+        """Ours or a previous leader's: the victim's run is leaving (unless declined)."""
+        job_id = JobId(event.job_id)
+        if self.running_attempt.get(job_id) == event.attempt:
+            self.preempting[job_id] = (event.attempt, JobId(event.for_job))
+
+    def on_preemption_canceled(self, event: PreemptionCanceled, at: float) -> None:
+        """The preemptor will not preempt this run: it stays, and is no victim for a while."""
+        job_id = JobId(event.job_id)
+        leaving = self.preempting.get(job_id)
+        if leaving is None or leaving[0] != event.attempt:
+            return
+        del self.preempting[job_id]
+        self.protected[job_id] = at + DECLINED_PROTECTION_S
         self.dirty = True
 
     def on_refused(self, event: PlacementRefused) -> None:
@@ -152,6 +216,7 @@ class SchedulerState:
             return
         alloc = self.running.pop(job_id)
         del self.running_attempt[job_id]
+        self.preempting.pop(job_id, None)
         if job_id not in self.finished:
             self.pending[job_id] = alloc.job
         self.dirty = True
@@ -167,6 +232,9 @@ class SchedulerState:
         self.pending.pop(job_id, None)
         self.queued.pop(job_id, None)
         self.attempts.pop(job_id, None)
+        self.held.pop(job_id, None)
+        self.preempting.pop(job_id, None)
+        self.protected.pop(job_id, None)
         freed = self.running.pop(job_id, None)
         self.running_attempt.pop(job_id, None)
         self.finished[job_id] = None
