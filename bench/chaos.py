@@ -1,9 +1,16 @@
-"""Chaos: submit jobs at a steady rate while the queue, scheduler, executors and health service
-are killed (-9) and restarted at seeded random moments; then audit what the log says happened.
+"""Chaos: submit jobs at a steady rate while the queue, scheduler, preemptor, executors and
+health service are killed (-9) and restarted at seeded random moments; then audit what the log
+says happened.
+
+The mix keeps every failure path busy: long low-priority runs fill the H100 cluster and
+critical H100 gangs preempt them (checkpoint, grace, stop, requeue); some jobs fail once and
+are retried, some fail for good; the rest are short jobs on the other clusters.
 
 Prints, per the BENCH.md keys: jobs, terminal_once (jobs with exactly one terminal event),
-lost (none), duplicate_effects (a run started twice, a job ended twice), double_allocations
-(a node holding more than it has, rebuilt from the executors' own events) and kills.
+lost (none), duplicate_effects (a run started, preempted or ordered to stop twice, a job ended
+twice), double_allocations (a node holding more than it has, rebuilt from the executors' own
+events), wrong_outcome (a job that ended other than its labels say it must), preemptions,
+retries and kills.
 
     python bench/chaos.py                   # 40 jobs/s for 60 s, a kill every ~6 s
     python bench/chaos.py --rate 100 --seconds 120
@@ -20,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -35,29 +43,63 @@ from core.fleet import load_fleet
 from schemas import topics
 from schemas.envelope import Envelope
 from services.common.policyfile import load_policy, read_yaml
-from tests.integration.kafka_tools import collect
+from tests.integration.kafka_tools import LogReader
 
 TENANTS = ("vision", "nlp", "speech")
-VICTIMS = ("services.queue", "services.scheduler", "services.executor", "services.health")
+VICTIMS = (
+    "services.queue",
+    "services.scheduler",
+    "services.preemptor",
+    "services.executor",
+    "services.health",
+)
+NOT_H100 = ["A100", "L4", "TPU-v5e"]
 
 
 def job(rng: random.Random, job_id: str, i: int) -> dict[str, Any]:
-    replicas, gpus = (2, 8) if rng.random() < 0.1 else (1, rng.choice([1, 2, 4]))
-    return {
-        "job_id": job_id,
-        "tenant": TENANTS[i % 3],
-        "replicas": replicas,
-        "resources": {"accelerators": gpus},
-        "labels": {"sim_duration_s": str(rng.randint(60, 600))},
-    }
+    """One job of the mix; `sim_outcome` / `sim_fail_attempts` say how it must end."""
+    roll = rng.random()
+    spec: dict[str, Any] = {"job_id": job_id, "tenant": TENANTS[i % 3]}
+    if roll < 0.04:  # long low-priority runs that fill the H100 cluster: the victims
+        duration = rng.randint(3000, 6000)
+        spec |= {
+            "priority_class": "low",
+            "resources": {"accelerators": 8, "accelerator_types": ["H100"]},
+            "labels": {"sim_checkpoint_every_s": "600"},
+        }
+    elif roll < 0.06:  # critical gangs that need two whole H100 nodes: the preemptors
+        duration = rng.randint(300, 900)
+        spec |= {
+            "tenant": "nlp",
+            "priority_class": "critical",
+            "replicas": 2,
+            "resources": {"accelerators": 8, "accelerator_types": ["H100"]},
+        }
+    elif roll < 0.14:  # gangs elsewhere
+        duration = rng.randint(60, 600)
+        spec |= {"replicas": 2, "resources": {"accelerators": 8, "accelerator_types": ["A100"]}}
+    else:
+        duration = rng.randint(60, 600)
+        spec |= {
+            "resources": {"accelerators": rng.choice([1, 2, 4]), "accelerator_types": NOT_H100}
+        }
+    labels = {**spec.get("labels", {}), "sim_duration_s": str(duration)}
+    failure = rng.random()
+    if failure < 0.03:  # fails once, then succeeds on its retry
+        labels["sim_fail_attempts"] = "1"
+    elif failure < 0.04:  # fails on every run: ends failed once its one retry is used
+        labels["sim_outcome"] = "failed"
+        spec["retry"] = {"max_retries": 1}
+    return {**spec, "labels": labels}
 
 
 async def submit(
     bootstrap: str, rng: random.Random, rate: float, seconds: float, run: str
-) -> list[str]:
+) -> dict[str, str]:
+    """Submits the mix; returns each job's expected outcome."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5)
     await producer.start()
-    ids: list[str] = []
+    ids: dict[str, str] = {}
     start = time.monotonic()
     try:
         for i in range(int(rate * seconds)):
@@ -65,11 +107,12 @@ async def submit(
             if delay > 0:
                 await asyncio.sleep(delay)
             job_id = f"chaos-{run}-{i}"
-            env = Envelope(type="JobSubmitted", producer="chaos", payload=job(rng, job_id, i))
+            spec = job(rng, job_id, i)
+            env = Envelope(type="JobSubmitted", producer="chaos", payload=spec)
             await producer.send(
                 topics.JOB_SUBMITTED, env.model_dump_json().encode(), key=job_id.encode()
             )
-            ids.append(job_id)
+            ids[job_id] = spec["labels"].get("sim_outcome", "succeeded")
     finally:
         await producer.stop()
     return ids
@@ -78,10 +121,12 @@ async def submit(
 async def kill_loop(
     stack: Stack, rng: random.Random, every_s: float, until: float, kills: list[str]
 ) -> None:
+    # Round robin over a seeded shuffle: every kind of service dies within len(victims) kills.
     victims = [s for s in stack.services if s.module in VICTIMS]
+    rng.shuffle(victims)
     while time.monotonic() < until:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
-        service = rng.choice(victims)
+        service = victims[len(kills) % len(victims)]
         assert service.pid is not None
         os.kill(service.pid, signal.SIGKILL)
         kills.append(service.name)
@@ -89,43 +134,90 @@ async def kill_loop(
         await asyncio.to_thread(stack.restart, service)
 
 
-async def audit(bootstrap: str, ids: set[str], timeout_s: float) -> dict[str, Any]:
+# Topics where one (job, attempt) may have one effect only (distinct event ids).
+ONCE_PER_RUN = (
+    topics.JOB_STARTED,
+    topics.JOB_PREEMPTED,
+    topics.JOB_RUN_FAILED,
+    topics.JOB_PREEMPT_ORDERED,
+    topics.JOB_CHECKPOINT_REQUESTED,
+)
+
+
+async def audit(bootstrap: str, expected: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """Waits (up to `timeout_s`) until every job has ended, then reads the whole log to its end
+    and counts what happened. Counting from a complete read matters: a time-boxed read of a
+    big log misses records and reports them as lost."""
+    ids = set(expected)
     watched = (topics.JOB_FINISHED, topics.JOB_REJECTED)
     deadline = time.monotonic() + timeout_s
-    while True:
-        ends = await collect(
-            bootstrap,
-            watched,
-            lambda _t, e: e["payload"].get("job_id") in ids,
-            count=10**9,
-            timeout_s=5,
-        )
-        if (
-            len({e["payload"]["job_id"] for _, e in ends}) >= len(ids)
-            or time.monotonic() > deadline
-        ):
-            break
-    events = await collect(
-        bootstrap,
-        (topics.PLACEMENT_DECIDED, topics.JOB_STARTED, topics.JOB_PREEMPTED),
-        lambda _t, e: e["payload"].get("job_id") in ids,
-        count=10**9,
-        timeout_s=8,
-    )
+    async with LogReader(bootstrap, watched) as ends_log:
+        while True:
+            ended = {e["payload"].get("job_id") for _, e in await ends_log.read_to_end(timeout_s)}
+            if ids <= ended or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(2)
+        ends = [(t, e) for t, e in ends_log.events if e["payload"].get("job_id") in ids]
+    async with LogReader(bootstrap, (topics.PLACEMENT_DECIDED, *ONCE_PER_RUN)) as runs_log:
+        events = [
+            (t, e)
+            for t, e in await runs_log.read_to_end(timeout_s)
+            if e["payload"].get("job_id") in ids
+        ]
     terminal: dict[str, int] = defaultdict(int)
+    outcome: dict[str, str] = {}
     for _, env in ends:
         terminal[env["payload"]["job_id"]] += 1
-    starts: dict[tuple[str, int], int] = defaultdict(int)
+        outcome[env["payload"]["job_id"]] = env["payload"].get("outcome", "rejected")
+    effects: dict[tuple[str, str, int], int] = defaultdict(int)
     for topic, env in events:
-        if topic == topics.JOB_STARTED:
-            starts[(env["payload"]["job_id"], env["payload"]["attempt"])] += 1
+        if topic in ONCE_PER_RUN:
+            effects[(topic, env["payload"]["job_id"], env["payload"]["attempt"])] += 1
+    dup_topics: dict[str, int] = defaultdict(int)
+    for (topic, _job, _attempt), n in effects.items():
+        if n > 1:
+            dup_topics[topic] += 1
+    dup_topics.update({"terminal": sum(1 for n in terminal.values() if n > 1)})
+    preempted = [e for t, e in events if t == topics.JOB_PREEMPTED and e["payload"].get("for_job")]
+    samples = forensics(ends + events, terminal, ids)
     return {
+        "samples": samples,
         "terminal_once": sum(1 for j in ids if terminal.get(j) == 1),
         "lost": sum(1 for j in ids if j not in terminal),
-        "duplicate_effects": sum(1 for n in terminal.values() if n > 1)
-        + sum(1 for n in starts.values() if n > 1),
+        "duplicate_effects": sum(dup_topics.values()),
         "double_allocations": overcommitted_nodes(events + ends),
+        "wrong_outcome": sum(1 for j, want in expected.items() if outcome.get(j, want) != want),
+        "preemptions": len(preempted),
+        "checkpoints": sum(1 for t, _ in events if t == topics.JOB_CHECKPOINT_REQUESTED),
+        "retries": sum(1 for t, _ in events if t == topics.JOB_RUN_FAILED),
+        "duplicates_by_topic": {t: n for t, n in dup_topics.items() if n},
     }
+
+
+def forensics(
+    events: list[tuple[str, dict[str, Any]]], terminal: dict[str, int], ids: set[str]
+) -> dict[str, list[str]]:
+    """The log of a few jobs that ended twice or never, to read when the audit fails."""
+    twice = sorted(j for j, n in terminal.items() if n > 1)[:3]
+    never = sorted(j for j in ids if j not in terminal)[:3]
+    out: dict[str, list[str]] = {}
+    for job_id in twice + never:
+        lines = []
+        for topic, env in sorted(events, key=lambda te: te[1]["occurred_at"]):
+            p = env["payload"]
+            if p.get("job_id") != job_id:
+                continue
+            lines.append(
+                f"{env['occurred_at'][11:23]} {topic} by {env.get('producer')} attempt "
+                f"{p.get('attempt')} {p.get('outcome') or p.get('reason_code') or ''} "
+                f"{[r['node_id'] for r in p.get('replicas', [])] or p.get('nodes') or ''}"
+            )
+        out[job_id] = lines
+    return out
+
+
+# A run holds its devices from job.started until one of the others.
+RUN_EDGES = (topics.JOB_STARTED, topics.JOB_FINISHED, topics.JOB_PREEMPTED, topics.JOB_RUN_FAILED)
 
 
 def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
@@ -143,7 +235,7 @@ def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
     for topic, env in events:
         p = env["payload"]
         run = placements.get((p["job_id"], p.get("attempt")))
-        if run is None or topic == topics.PLACEMENT_DECIDED or topic == topics.JOB_REJECTED:
+        if run is None or topic not in RUN_EDGES:
             continue
         sign = 1 if topic == topics.JOB_STARTED else -1
         for rep in run["replicas"]:
@@ -166,11 +258,50 @@ async def run(stack: Stack, bootstrap: str, args: argparse.Namespace) -> dict[st
     killer = asyncio.create_task(
         kill_loop(stack, random.Random(args.seed + 1), args.kill_every, until, kills)
     )
-    ids = await submit(bootstrap, rng, args.rate, args.seconds, f"{args.seed}")
+    run_id = f"{args.seed}-{uuid.uuid4().hex[:6]}"  # ids unique across runs on one database
+    expected = await submit(bootstrap, rng, args.rate, args.seconds, run_id)
     await killer
-    print(f"submitted {len(ids)} jobs; {len(kills)} kills: {', '.join(kills)}")
-    figures = await audit(bootstrap, set(ids), args.drain_s)
-    return {"jobs": len(ids), **figures, "kills": len(kills)}
+    print(f"submitted {len(expected)} jobs; {len(kills)} kills: {', '.join(kills)}")
+    figures = await audit(bootstrap, expected, args.drain_s)
+    return {"jobs": len(expected), **figures, "kills": len(kills), "killed": kills}
+
+
+def chaos(
+    rate: float, seconds: float, kill_every: float, seed: int, drain_s: float
+) -> dict[str, Any]:
+    """Start a stack of its own (600x time), run the chaos and return the audited figures."""
+    args = argparse.Namespace(
+        rate=rate, seconds=seconds, kill_every=kill_every, seed=seed, drain_s=drain_s
+    )
+    with tempfile.TemporaryDirectory(prefix="qm-chaos-") as tmp:
+        kafka = infra.start_kafka(Path(tmp) / "kafka")
+        try:
+            stack = Stack.start(
+                Path(tmp) / "state",
+                gateway_port=infra.free_port(),
+                env={"QM_KAFKA_BOOTSTRAP": kafka.url},
+                # A fresh broker needs a fresh database: stored state would describe a
+                # log that is gone (and executors would restore runs that no longer exist).
+                reset_database=True,
+                time_scale=600.0,
+            )
+            try:
+                return asyncio.run(run(stack, kafka.url, args))
+            finally:
+                stack.stop()
+        finally:
+            infra.stop(kafka)
+
+
+def summary(figures: dict[str, Any]) -> str:
+    return (
+        f"jobs {figures['jobs']}: terminal once {figures['terminal_once']}, lost "
+        f"{figures['lost']}, duplicate effects {figures['duplicate_effects']}, "
+        f"over-committed nodes {figures['double_allocations']}, wrong outcome "
+        f"{figures['wrong_outcome']}; preemptions {figures['preemptions']} (checkpoints "
+        f"{figures['checkpoints']}), failed runs retried or ended {figures['retries']}; "
+        f"kills {figures['kills']} ({', '.join(sorted(set(figures['killed'])))})"
+    )
 
 
 def main() -> None:
@@ -183,26 +314,11 @@ def main() -> None:
     parser.add_argument("--drain-s", type=float, default=240.0)
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="qm-chaos-") as tmp:
-        kafka = infra.start_kafka(Path(tmp) / "kafka")
-        try:
-            stack = Stack.start(
-                Path(tmp) / "state",
-                gateway_port=infra.free_port(),
-                env={"QM_KAFKA_BOOTSTRAP": kafka.url},
-                time_scale=600.0,
-            )
-            try:
-                figures = asyncio.run(run(stack, kafka.url, args))
-            finally:
-                stack.stop()
-        finally:
-            infra.stop(kafka)
-    print(
-        f"jobs {figures['jobs']}: terminal once {figures['terminal_once']}, lost "
-        f"{figures['lost']}, duplicate effects {figures['duplicate_effects']}, "
-        f"over-committed nodes {figures['double_allocations']}, kills {figures['kills']}"
-    )
+    figures = chaos(args.rate, args.seconds, args.kill_every, args.seed, args.drain_s)
+    print(summary(figures))
+    for job_id, lines in figures.pop("samples").items():
+        print(f"  {job_id}:", *lines, sep="\n    ")
+    figures.pop("killed")
     print(
         json.dumps(
             {

@@ -235,7 +235,11 @@ def platform_urls() -> Iterator[tuple[str, str | None, str]]:
         env = {"QM_KAFKA_BOOTSTRAP": kafka.url}
         try:
             stack = Stack.start(
-                Path(tmp) / "state", gateway_port=infra.free_port(), env=env, time_scale=600.0
+                Path(tmp) / "state",
+                gateway_port=infra.free_port(),
+                env=env,
+                time_scale=600.0,
+                reset_database=True,  # stored state of another broker's log must not leak in
             )
             try:
                 yield kafka.url, stack.gateway_url, "stack started by the bench"

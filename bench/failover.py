@@ -1,5 +1,6 @@
-"""Scheduler leader failover: run a standby next to the leader, kill -9 the leader, and time
-until the standby leads (it holds the Redis lease and decides with a higher epoch).
+"""Scheduler leader failover: the stack runs a leader and a standby; kill -9 the leader and time
+until the standby leads (it holds the Redis lease and decides with a higher epoch), then start
+the killed one again as the new standby for the next round.
 
 Starts its own stack (or set QM_STATE_DIR to a running `qm up` state dir is NOT used: the
 bench needs the process that started the stack, to add the standby and kill the leader).
@@ -60,6 +61,13 @@ def fail_over(
     return time.monotonic() - killed_at, standby
 
 
+def restart_killed(stack: Stack, schedulers: list[Service]) -> None:
+    """Start the killed leader again: it rejoins as the standby."""
+    for service in schedulers:
+        if not service.running():
+            stack.restart(service)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,16 +81,19 @@ def main() -> None:
                 Path(tmp) / "state",
                 gateway_port=infra.free_port(),
                 env={"QM_KAFKA_BOOTSTRAP": kafka.url},
+                # A fresh broker needs a fresh database: stored state would describe a
+                # log that is gone (and executors would restore runs that no longer exist).
+                reset_database=True,
             )
             try:
                 schedulers = [s for s in stack.services if s.module == "services.scheduler"]
                 times = []
                 for i in range(args.rounds):
-                    schedulers.append(stack.add_service(f"scheduler-{i + 2}", "services.scheduler"))
                     took, leader = fail_over(stack, schedulers)
                     name = leader.name if leader else "nobody"
                     print(f"round {i + 1}: {name} leads {took:.2f} s after the leader was killed")
                     times.append(took)
+                    restart_killed(stack, schedulers)
             finally:
                 stack.stop()
         finally:

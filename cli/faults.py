@@ -1,4 +1,5 @@
-"""`qm fault`: inject a node or cluster failure into the simulated fleet of a running stack."""
+"""`qm fault`: inject faults into the simulated fleet of a running stack — a node's hardware
+signal, a straggler, a whole cluster going dark, or a seeded random mode."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ def _executors() -> dict[str, Service]:
     }
 
 
+def _owner(executors: dict[str, Service], node_id: str) -> Service:
+    """The executor of the cluster a node belongs to: node ids start with their cluster's
+    name, and the longest matching name wins."""
+    owners = sorted((c for c in executors if node_id.startswith(f"{c}-")), key=len)
+    if not owners:
+        raise typer.BadParameter(f"no cluster of this stack has a node {node_id}")
+    return executors[owners[-1]]
+
+
 def _post(service: Service, path: str, body: dict[str, object]) -> None:
     r = httpx.post(f"http://127.0.0.1:{service.port}{path}", json=body, timeout=5)
     if r.status_code >= 400:
@@ -48,12 +58,47 @@ def node(
     ] = "gpu_xid",
 ) -> None:
     """Make a node report a hardware error, as its own agent would."""
+    _post(
+        _owner(_executors(), node_id),
+        "/faults/node",
+        {"node_id": node_id, "kind": kind, "xid": xid},
+    )
+
+
+@fault_app.command("slow")
+def slow(
+    node_id: Annotated[str, typer.Argument(help="e.g. onprem-h100-h100-0003")],
+    factor: Annotated[
+        float, typer.Option(min=1.0, help="steps take this many times longer; 1 clears it")
+    ] = 3.0,
+) -> None:
+    """Make a node a straggler: replicas there report slower steps (job.progress)."""
+    _post(_owner(_executors(), node_id), "/faults/slow", {"node_id": node_id, "factor": factor})
+
+
+@fault_app.command("random")
+def random_faults(
+    rate: Annotated[
+        float, typer.Option(min=0.0, help="faults per fleet hour, per cluster; 0 stops")
+    ],
+    seed: Annotated[
+        int | None, typer.Option(help="same seed, same sequence of faults (default: random)")
+    ] = None,
+    cluster: Annotated[
+        str | None, typer.Option(help="only this cluster (default: every cluster)")
+    ] = None,
+) -> None:
+    """Start (or stop) seeded random faults on the simulated fleet.
+
+    Critical XIDs, bursts of transient signals and stragglers on random nodes, at a rate in
+    fleet time; the same seed replays the same sequence of faults."""
     executors = _executors()
-    # Node ids start with their cluster's name; the longest matching name wins.
-    owners = sorted((c for c in executors if node_id.startswith(f"{c}-")), key=len)
-    if not owners:
-        raise typer.BadParameter(f"no cluster of this stack has a node {node_id}")
-    _post(executors[owners[-1]], "/faults/node", {"node_id": node_id, "kind": kind, "xid": xid})
+    if cluster is not None and cluster not in executors:
+        raise typer.BadParameter(
+            f"unknown cluster {cluster}; known: {', '.join(sorted(executors))}"
+        )
+    for name in [cluster] if cluster is not None else sorted(executors):
+        _post(executors[name], "/faults/random", {"rate_per_hour": rate, "seed": seed})
 
 
 @fault_app.command("cluster")

@@ -113,12 +113,15 @@ def default_token(auth_file: Path) -> str | None:
 
 
 def service_plan(logs: Path, gateway_port: int, clusters: list[str]) -> list[Service]:
-    """Every service process to start, with the gateway on its fixed port."""
+    """Every service process to start, with the gateway on its fixed port. Two schedulers:
+    one leads, the other follows the log and takes over when the leader dies."""
     plan = [Service("gateway", "services.gateway", gateway_port, logs / "gateway.log")]
     plan += [
         Service(n, f"services.{n}", free_port(), logs / f"{n}.log")
-        for n in ("queue", "scheduler", "health", "meter")
+        for n in ("queue", "scheduler", "preemptor", "health", "meter")
     ]
+    standby = "scheduler-standby"
+    plan.append(Service(standby, "services.scheduler", free_port(), logs / f"{standby}.log"))
     for cluster in clusters:
         name = "executor-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster)
         plan.append(

@@ -199,8 +199,8 @@ class PreemptionCanceled(Payload):
     for_job: str
     reason_code: str = Field(
         description=(
-            "min_runtime, tenant_budget, claim_not_higher, requester_gone, victim_gone, "
-            "not_preemptible or stale_epoch."
+            "min_runtime, tenant_budget, claim_not_higher, requester_gone, requester_placed, "
+            "victim_gone, not_preemptible or stale_epoch."
         )
     )
     message: str

@@ -1,8 +1,10 @@
-"""The executor service for one cluster, on the simulated backend."""
+"""The executor service for one cluster, on the simulated backend: it consumes placements and
+orders, ends runs on their clock, and sends inventory, heartbeats and gang progress."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from fastapi import FastAPI
@@ -19,10 +21,13 @@ from services.common.kafka import (
 )
 from services.common.policyfile import load_policy, read_yaml
 from services.common.runtime import Runtime, create_http_app
-from services.executor.faults import Outage, fault_router
+from services.executor.faults import FaultInjector, Outage, Slowdowns, fault_router
 from services.executor.fleetinfo import capacity_event, heartbeats
-from services.executor.handlers import PAYLOADS, Executor, ExecutorMetrics
+from services.executor.handlers import PAYLOADS, Executor
+from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
+from services.executor.random_faults import RandomFaults
+from services.executor.runs import progress
 from services.executor.settings import ExecutorSettings
 from services.executor.store import MIGRATIONS, ExecutorStore, schema_for
 
@@ -46,6 +51,17 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     nodes = {str(n.node_id): n for n in all_nodes.values() if n.cluster == cluster_name}
     book = NodeBook(nodes)
     outage = Outage()
+    slowdowns = Slowdowns()
+    injector = FaultInjector(
+        cluster_name,
+        {node_id: n.accelerators for node_id, n in nodes.items()},
+        broker,
+        slowdowns,
+        settings.time_scale,
+    )
+    random_mode = RandomFaults(
+        cluster_name, injector.nodes, injector.apply, time_scale=settings.time_scale
+    )
     metrics = ExecutorMetrics(runtime.registry)
     state: dict[str, Executor] = {}
 
@@ -98,6 +114,28 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             metrics.overcommitted.set(len(book.audit()))
             await asyncio.sleep(settings.heartbeat_interval_s)
 
+    async def progress_loop() -> None:
+        """Step times of every running gang; a slowed node's replica lags its peers. Telemetry:
+        published directly, a lost report is replaced by the next one."""
+        # Seeded so a run repeats; the noise only needs to be small, not unpredictable.
+        rng = random.Random(settings.fault_seed or 0)
+        while True:
+            await asyncio.sleep(settings.progress_interval_s)
+            if outage.dark:
+                continue
+            factors = slowdowns.current()
+            jobs = sorted(state["executor"].running.values(), key=lambda j: j.job_id)
+            out = [
+                OutMessage(
+                    topics.JOB_PROGRESS,
+                    report.job_id,
+                    envelope_for("JobProgress", report, producer=producer, tenant=job.tenant),
+                )
+                for job in jobs
+                if (report := progress(job, cluster_name, factors, rng)) is not None
+            ]
+            await publish_all(broker, out)
+
     @runtime.on_startup
     async def start() -> None:
         pool, relay = await open_outboxed(
@@ -117,11 +155,17 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         state["executor"] = executor
         runtime.background(finish_loop)
         runtime.background(announce_loop)
+        runtime.background(progress_loop)
+        if settings.fault_rate_per_hour > 0:
+            random_mode.configure(settings.fault_rate_per_hour, settings.fault_seed)
+        runtime.background(random_mode.run_forever)
         await broker.start()
 
     app = create_http_app(runtime)
-    app.include_router(fault_router(cluster_name, set(nodes), broker, outage))
+    app.include_router(fault_router(injector, outage, random_mode))
     app.state.runtime = runtime
     app.state.book = book
     app.state.broker = broker
+    app.state.slowdowns = slowdowns
+    app.state.random_faults = random_mode
     return app

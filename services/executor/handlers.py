@@ -1,37 +1,41 @@
-"""The executor's work: honour or refuse placements, stop jobs, finish them when their time
-is up. State changes and the events announcing them commit together (outbox)."""
+"""The executor's work: honour or refuse placements, stop jobs (cancel, preemption, node
+loss), signal checkpoints, end runs when their time is up. State changes and the events
+announcing them commit together (outbox), one change at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import heapq
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
 from aiokafka import ConsumerRecord
-from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ValidationError
 
 from schemas import topics
 from schemas.envelope import Envelope
 from schemas.events import (
+    JobCheckpointRequested,
     JobFinished,
-    JobPreempted,
+    JobPreemptOrdered,
     JobStarted,
     JobStopOrdered,
     Outcome,
     PlacementDecided,
     PlacementRefused,
+    RunFailed,
 )
 from schemas.health import NodeRecovered, NodeUnhealthy
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
 from services.common.logging import bind_event
 from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
+from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
-from services.executor.simulated import simulate
-from services.executor.store import ExecutorStore, RunningJob, utcnow
+from services.executor.runs import ended_by_itself, fleet_s, preempted
+from services.executor.simulated import RunEnd, simulate
+from services.executor.store import Checkpoint, ExecutorStore, RunKey, RunningJob, utcnow
 
 log = structlog.get_logger()
 
@@ -41,29 +45,9 @@ PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_STOP_ORDERED: JobStopOrdered,
     topics.NODE_UNHEALTHY: NodeUnhealthy,
     topics.NODE_RECOVERED: NodeRecovered,
+    topics.JOB_CHECKPOINT_REQUESTED: JobCheckpointRequested,
+    topics.JOB_PREEMPT_ORDERED: JobPreemptOrdered,
 }
-
-
-class ExecutorMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.started = Counter("qm_executor_jobs_started_total", "Gangs started", registry=registry)
-        self.refused = Counter(
-            "qm_executor_placements_refused_total",
-            "Placements refused",
-            ["reason"],
-            registry=registry,
-        )
-        self.finished = Counter(
-            "qm_executor_jobs_finished_total", "Jobs ended", ["outcome"], registry=registry
-        )
-        self.allocated = Gauge(
-            "qm_executor_allocated_accelerators", "Accelerators in use", registry=registry
-        )
-        self.overcommitted = Gauge(
-            "qm_executor_overcommitted_nodes",
-            "Nodes allocated beyond capacity (must be 0)",
-            registry=registry,
-        )
 
 
 class Executor:
@@ -114,11 +98,11 @@ class Executor:
         return OutMessage(topic, payload.job_id, env)
 
     def _for_another_cluster(self, record: ConsumerRecord[Any, Any]) -> bool:
-        if record.topic != topics.PLACEMENT_DECIDED:
-            return False
+        """A `cluster` header (the scheduler sets one on placements) lets us skip an item of
+        another cluster without parsing it; items without one are parsed and looked at."""
         for name, value in record.headers or ():
             if name == "cluster":
-                return value != self._cluster_header
+                return bool(value != self._cluster_header)
         return False  # no header (another producer): parse it and look
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
@@ -135,7 +119,7 @@ class Executor:
         if not mine and not dead:
             return
         # One change at a time: a run that ends by its clock must not also be stopped,
-        # preempted or handed back by a batch processed meanwhile.
+        # preempted, checkpointed or handed back by a batch processed meanwhile.
         async with self._changing:
             try:
                 staged = await self._commit(mine, dead)
@@ -150,8 +134,9 @@ class Executor:
             fresh = await claim_events(conn, self.store.schema, [e.event_id for e, _ in items])
             out = list(dead)
             started: list[RunningJob] = []
-            ended: list[str] = []
+            ended: list[RunKey] = []
             tombs: list[str] = []
+            checkpointed: list[RunningJob] = []
             epoch_before = self.epoch
             for env, item in items:
                 if env.event_id not in fresh:
@@ -162,6 +147,10 @@ class Executor:
                     out.extend(self._stop(env, item, ended, tombs))
                 elif isinstance(item, NodeUnhealthy):
                     out.extend(self._node_lost(env, item, ended))
+                elif isinstance(item, JobCheckpointRequested):
+                    self._checkpoint(env, item, checkpointed)
+                elif isinstance(item, JobPreemptOrdered):
+                    out.extend(self._preempt(env, item, ended))
                 else:
                     self.book.set_health(item.node_id, healthy=True)
             await self.store.write(
@@ -170,6 +159,7 @@ class Executor:
                 ended=ended,
                 epoch=self.epoch if self.epoch != epoch_before else None,
                 tombstones=tombs,
+                checkpointed=checkpointed,
             )
             staged = await add_to_outbox(conn, self.store.schema, out)
         self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
@@ -211,19 +201,23 @@ class Executor:
         if why is not None:
             return self._refuse(env, p, "would_overcommit", why)
         self.book.allocate(p.job_id, p.replicas)
-        run = simulate(p.spec, self.default_duration_s)
+        run = simulate(p.spec, self.default_duration_s, p.attempt, p.replicas)
         now = utcnow()
         job = RunningJob(
-            p.job_id,
-            p.attempt,
-            p.epoch,
-            p.spec.tenant,
-            p.replicas,
-            now,
-            now + timedelta(seconds=run.virtual_s / self.time_scale),
-            run.outcome,
-            run.reason_code,
-            run.message,
+            job_id=p.job_id,
+            attempt=p.attempt,
+            epoch=p.epoch,
+            tenant=p.spec.tenant,
+            replicas=p.replicas,
+            started_at=now,
+            ends_at=now + timedelta(seconds=run.virtual_s / self.time_scale),
+            end=run.end,
+            reason_code=run.reason_code,
+            message=run.message,
+            exit_code=run.exit_code,
+            step_s=run.step_s,
+            checkpoint_s=run.checkpoint_s,
+            checkpoint_every_s=run.checkpoint_every_s,
         )
         self._track(job)
         started.append(job)
@@ -243,7 +237,7 @@ class Executor:
         )
 
     def _stop(
-        self, env: Envelope, cmd: JobStopOrdered, ended: list[str], tombs: list[str]
+        self, env: Envelope, cmd: JobStopOrdered, ended: list[RunKey], tombs: list[str]
     ) -> list[OutMessage]:
         job = self.running.pop(cmd.job_id, None)
         if job is None:
@@ -256,7 +250,79 @@ class Executor:
             )
         ]
 
-    def _node_lost(self, env: Envelope, down: NodeUnhealthy, ended: list[str]) -> list[OutMessage]:
+    def _this_run(self, job_id: str, attempt: int, now: datetime) -> RunningJob | None:
+        """The run a command names, if it still runs here. One whose clock has run out is over
+        (its own end is on the way, from finish_due): commands for it do nothing."""
+        job = self.running.get(job_id)
+        if job is None or job.attempt != attempt or job.ends_at <= now:
+            return None
+        return job
+
+    def _checkpoint(
+        self, env: Envelope, cmd: JobCheckpointRequested, checkpointed: list[RunningJob]
+    ) -> None:
+        """Signal the run to save its work; the simulated checkpoint completes
+        `checkpoint_s` fleet seconds later. The same order again, or one while a checkpoint
+        is being written, changes nothing."""
+        now = utcnow()
+        job = self._this_run(cmd.job_id, cmd.attempt, now)
+        with bind_event(env, cmd.job_id):
+            if job is None:
+                log.info("checkpoint signal for a run not running here", attempt=cmd.attempt)
+                return
+            last = job.checkpoint
+            if last is not None and (last.stop_at == cmd.stop_at or last.done_at > now):
+                log.info("checkpoint already signalled", attempt=job.attempt)
+                return
+            done = now + timedelta(seconds=job.checkpoint_s / self.time_scale)
+            job.checkpoint = Checkpoint(at=now, done_at=done, stop_at=cmd.stop_at)
+            checkpointed.append(job)
+            self.metrics.checkpoints.inc()
+            log.info(
+                "checkpoint signalled",
+                attempt=job.attempt,
+                for_job=cmd.for_job,
+                saves_s=round(fleet_s(job.started_at, now, self.time_scale), 3),
+                completes_at=done.isoformat(),
+                stop_at=cmd.stop_at.isoformat(),
+            )
+
+    def _preempt(
+        self, env: Envelope, cmd: JobPreemptOrdered, ended: list[RunKey]
+    ) -> list[OutMessage]:
+        """The grace period is over: stop the run, free its devices and hand it back with the
+        work its checkpoints kept."""
+        now = utcnow()
+        job = self._this_run(cmd.job_id, cmd.attempt, now)
+        if job is None:
+            with bind_event(env, cmd.job_id):
+                log.info("preempt order for a run not running here", attempt=cmd.attempt)
+            return []
+        del self.running[job.job_id]
+        self._release(job, ended, "preempted")
+        event = preempted(
+            job,
+            self.cluster,
+            now,
+            self.time_scale,
+            reason_code=cmd.reason_code,
+            message=cmd.message,
+            for_job=cmd.for_job,
+        )
+        with bind_event(env, job.job_id):
+            log.info(
+                "run preempted",
+                attempt=job.attempt,
+                for_job=cmd.for_job,
+                ran_s=event.ran_s,
+                kept_s=event.work_kept_s,
+                lost_s=event.work_lost_s,
+            )
+        return [self._emit(topics.JOB_PREEMPTED, "JobPreempted", event, job.tenant, env)]
+
+    def _node_lost(
+        self, env: Envelope, down: NodeUnhealthy, ended: list[RunKey]
+    ) -> list[OutMessage]:
         """The health service quarantined a node: nothing new lands there, and every gang
         with a replica on it is stopped as a whole and handed back (job.preempted) to be
         requeued elsewhere."""
@@ -268,29 +334,26 @@ class Executor:
             "node lost; handing its gangs back", node=down.node_id, cause=down.cause, jobs=len(hit)
         )
         out = []
+        now = utcnow()
         for job in hit:
             del self.running[job.job_id]
             self._release(job, ended, "node_failure")
-            lost = JobPreempted(
-                job_id=job.job_id,
-                attempt=job.attempt,
-                cluster=self.cluster,
+            lost = preempted(
+                job,
+                self.cluster,
+                now,
+                self.time_scale,
                 reason_code="node_failure",
                 message=message,
                 failed_nodes=[down.node_id],
-                ran_s=round(self._ran_s(job), 3),
             )
             out.append(self._emit(topics.JOB_PREEMPTED, "JobPreempted", lost, job.tenant, env))
         return out
 
-    def _release(self, job: RunningJob, ended: list[str], how: str) -> None:
+    def _release(self, job: RunningJob, ended: list[RunKey], how: str) -> None:
         self.book.release(job.job_id)
-        ended.append(job.job_id)
+        ended.append(job.key)
         self.metrics.finished.labels(how).inc()
-
-    def _ran_s(self, job: RunningJob) -> float:
-        """Virtual seconds the run has lasted."""
-        return (utcnow() - job.started_at).total_seconds() * self.time_scale
 
     def _end(
         self,
@@ -299,7 +362,7 @@ class Executor:
         outcome: Outcome,
         reason: str,
         message: str,
-        ended: list[str],
+        ended: list[RunKey],
     ) -> OutMessage:
         self._release(job, ended, outcome.value)
         done = JobFinished(
@@ -309,12 +372,13 @@ class Executor:
             reason_code=reason,
             message=message,
             cluster=self.cluster,
-            ran_s=round(self._ran_s(job), 3),
+            ran_s=round(fleet_s(job.started_at, utcnow(), self.time_scale), 3),
         )
         return self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, env)
 
     async def finish_due(self, now: float) -> int:
-        """End every job whose (virtual) run time is over."""
+        """End every run whose (virtual) run time is over: job.finished, or job.run.failed
+        when the job itself failed."""
         async with self._changing:
             return await self._finish_due(now)
 
@@ -329,21 +393,15 @@ class Executor:
             return 0
         out = []
         for job in due:
-            ran = (job.ends_at - job.started_at).total_seconds() * self.time_scale
-            done = JobFinished(
-                job_id=job.job_id,
-                attempt=job.attempt,
-                outcome=Outcome(job.outcome),
-                reason_code=job.reason_code,
-                message=job.message,
-                cluster=self.cluster,
-                ran_s=round(ran, 3),
-            )
-            out.append(self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, None))
+            event = ended_by_itself(job, self.cluster, self.time_scale)
+            if isinstance(event, RunFailed):
+                out.append(self._emit(topics.JOB_RUN_FAILED, "RunFailed", event, job.tenant, None))
+            else:
+                out.append(self._emit(topics.JOB_FINISHED, "JobFinished", event, job.tenant, None))
         try:
             async with self.store.pool.acquire() as conn, conn.transaction():
                 await self.store.write(
-                    conn, started=[], ended=[j.job_id for j in due], epoch=None, tombstones=[]
+                    conn, started=[], ended=[j.key for j in due], epoch=None, tombstones=[]
                 )
                 staged = await add_to_outbox(conn, self.store.schema, out)
         except Exception:
@@ -353,7 +411,10 @@ class Executor:
         for job in due:
             self.running.pop(job.job_id, None)
             self.book.release(job.job_id)
-            self.metrics.finished.labels(job.outcome).inc()
+            if job.end is RunEnd.RUN_FAILED:
+                self.metrics.runs_failed.labels(job.reason_code or "unknown").inc()
+            else:
+                self.metrics.finished.labels(job.end.value).inc()
         self.relay.committed(staged)
         return len(due)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,12 +12,26 @@ from pathlib import Path
 import asyncpg
 
 from schemas.events import ReplicaAssignment
+from services.executor.simulated import RunEnd
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+
+# (job id, attempt): a run's natural key.
+RunKey = tuple[str, int]
 
 
 def schema_for(cluster: str) -> str:
     return "executor_" + re.sub(r"[^a-z0-9_]", "_", cluster.lower())
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint the run was signalled to take: it saves the state of `at` and is complete
+    at `done_at`; `stop_at` is when the order that asked for it said the stop would follow."""
+
+    at: datetime
+    done_at: datetime
+    stop_at: datetime | None = None
 
 
 @dataclass
@@ -28,13 +43,80 @@ class RunningJob:
     replicas: list[ReplicaAssignment]
     started_at: datetime
     ends_at: datetime
-    outcome: str
+    end: RunEnd
     reason_code: str | None = None
     message: str | None = None
+    exit_code: int | None = None
+    step_s: float = 1.0
+    checkpoint_s: float = 10.0
+    checkpoint_every_s: float | None = None
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def key(self) -> RunKey:
+        return (self.job_id, self.attempt)
 
     @property
     def nodes(self) -> list[str]:
         return sorted({r.node_id for r in self.replicas})
+
+
+_COLUMNS = (
+    "job_id, attempt, epoch, replicas, tenant, started_at, ends_at, outcome, reason_code, "
+    "message, exit_code, step_s, checkpoint_s, checkpoint_every_s, checkpoint_at, "
+    "checkpoint_done_at, checkpoint_stop_at"
+)
+
+# A new attempt of a job takes over its row whole.
+_REPLACE = ", ".join(f"{c} = EXCLUDED.{c}" for c in _COLUMNS.split(", ")[1:])
+
+
+def _row(j: RunningJob) -> tuple[object, ...]:
+    c = j.checkpoint
+    return (
+        j.job_id,
+        j.attempt,
+        j.epoch,
+        json.dumps([r.model_dump() for r in j.replicas]),
+        j.tenant,
+        j.started_at,
+        j.ends_at,
+        j.end.value,
+        j.reason_code,
+        j.message,
+        j.exit_code,
+        j.step_s,
+        j.checkpoint_s,
+        j.checkpoint_every_s,
+        c.at if c else None,
+        c.done_at if c else None,
+        c.stop_at if c else None,
+    )
+
+
+def _job(r: asyncpg.Record) -> RunningJob:
+    checkpoint = None
+    if r["checkpoint_at"] is not None:
+        checkpoint = Checkpoint(
+            r["checkpoint_at"], r["checkpoint_done_at"], r["checkpoint_stop_at"]
+        )
+    return RunningJob(
+        job_id=r["job_id"],
+        attempt=r["attempt"],
+        epoch=r["epoch"],
+        tenant=r["tenant"],
+        replicas=[ReplicaAssignment.model_validate(x) for x in json.loads(r["replicas"])],
+        started_at=r["started_at"],
+        ends_at=r["ends_at"],
+        end=RunEnd(r["outcome"]),
+        reason_code=r["reason_code"],
+        message=r["message"],
+        exit_code=r["exit_code"],
+        step_s=r["step_s"],
+        checkpoint_s=r["checkpoint_s"],
+        checkpoint_every_s=r["checkpoint_every_s"],
+        checkpoint=checkpoint,
+    )
 
 
 class ExecutorStore:
@@ -48,60 +130,50 @@ class ExecutorStore:
             rows = await conn.fetch(f'SELECT * FROM "{s}".allocations')
             epoch = await conn.fetchval(f'SELECT epoch FROM "{s}".fence') or 0
             tombs = {r["job_id"] for r in await conn.fetch(f'SELECT job_id FROM "{s}".tombstones')}
-        jobs = [
-            RunningJob(
-                job_id=r["job_id"],
-                attempt=r["attempt"],
-                epoch=r["epoch"],
-                tenant=r["tenant"],
-                replicas=[ReplicaAssignment.model_validate(x) for x in json.loads(r["replicas"])],
-                started_at=r["started_at"],
-                ends_at=r["ends_at"],
-                outcome=r["outcome"],
-                reason_code=r["reason_code"],
-                message=r["message"],
-            )
-            for r in rows
-        ]
-        return jobs, int(epoch), tombs
+        return [_job(r) for r in rows], int(epoch), tombs
 
     async def write(
         self,
         conn: asyncpg.Connection,
         *,
         started: list[RunningJob],
-        ended: list[str],
+        ended: list[RunKey],
         epoch: int | None,
         tombstones: list[str],
+        checkpointed: Sequence[RunningJob] = (),
     ) -> None:
+        """One batch's net change. A run started and ended within the batch is never written;
+        an ended run is deleted by its attempt, so a new attempt of its job written in the same
+        batch survives."""
         s = self.schema
-        if started:
-            await conn.executemany(
-                f'INSERT INTO "{s}".allocations (job_id, attempt, epoch, replicas, tenant, '
-                "started_at, ends_at, outcome, reason_code, message) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (job_id) DO UPDATE "
-                "SET attempt = EXCLUDED.attempt, epoch = EXCLUDED.epoch, "
-                "replicas = EXCLUDED.replicas, started_at = EXCLUDED.started_at, "
-                "ends_at = EXCLUDED.ends_at, outcome = EXCLUDED.outcome",
-                [
-                    (
-                        j.job_id,
-                        j.attempt,
-                        j.epoch,
-                        json.dumps([r.model_dump() for r in j.replicas]),
-                        j.tenant,
-                        j.started_at,
-                        j.ends_at,
-                        j.outcome,
-                        j.reason_code,
-                        j.message,
-                    )
-                    for j in started
-                ],
-            )
-        if ended:
+        gone = set(ended)
+        begun = {j.key for j in started}
+        if gone - begun:
             await conn.execute(
-                f'DELETE FROM "{s}".allocations WHERE job_id = ANY($1::text[])', ended
+                f'DELETE FROM "{s}".allocations AS a USING unnest($1::text[], $2::int[]) '
+                "AS e(job_id, attempt) WHERE a.job_id = e.job_id AND a.attempt = e.attempt",
+                [k[0] for k in gone - begun],
+                [k[1] for k in gone - begun],
+            )
+        # A checkpointed run started in this batch is written whole below.
+        rows = [_row(j) for j in started if j.key not in gone]
+        if rows:
+            await conn.executemany(
+                f'INSERT INTO "{s}".allocations ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, '
+                "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ON CONFLICT (job_id) DO UPDATE "
+                f"SET {_REPLACE}",
+                rows,
+            )
+        marks = [j for j in checkpointed if j.key not in gone and j.key not in begun]
+        if marks:
+            await conn.executemany(
+                f'UPDATE "{s}".allocations SET checkpoint_at = $3, checkpoint_done_at = $4, '
+                "checkpoint_stop_at = $5 WHERE job_id = $1 AND attempt = $2",
+                [
+                    (j.job_id, j.attempt, c.at, c.done_at, c.stop_at)
+                    for j in marks
+                    if (c := j.checkpoint) is not None
+                ],
             )
         if epoch is not None:
             await conn.execute(

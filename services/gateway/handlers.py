@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from schemas import topics
 from schemas.events import (
     JobCancelRequested,
+    JobCheckpointRequested,
     JobFinished,
     JobPreempted,
     JobQueued,
@@ -21,6 +22,8 @@ from schemas.events import (
     JobStarted,
     PlacementDecided,
     PlacementRefused,
+    PreemptionCanceled,
+    RunFailed,
 )
 from services.common.deadletter import decode_envelopes
 from services.gateway import store
@@ -36,7 +39,10 @@ PROJECTED: dict[str, type[BaseModel]] = {
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
+    topics.JOB_RUN_FAILED: RunFailed,
     topics.JOB_CANCEL_REQUESTED: JobCancelRequested,
+    topics.JOB_CHECKPOINT_REQUESTED: JobCheckpointRequested,
+    topics.PREEMPTION_CANCELED: PreemptionCanceled,
 }
 
 

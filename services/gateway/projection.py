@@ -13,6 +13,7 @@ from typing import Any
 from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
+    JobCheckpointRequested,
     JobFinished,
     JobPreempted,
     JobQueued,
@@ -20,6 +21,8 @@ from schemas.events import (
     JobStarted,
     PlacementDecided,
     PlacementRefused,
+    PreemptionCanceled,
+    RunFailed,
 )
 from schemas.job import JobSpec, JobState
 
@@ -120,8 +123,18 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
         return _advance(
             view, JobState.PLACED, at, attempt=p.attempt, cluster=p.cluster, nodes=nodes
         )
+    if isinstance(p, JobCheckpointRequested):
+        # The preemptor asked the run to checkpoint: it is stopped when the grace period ends.
+        if p.attempt == view.attempt and view.state is JobState.RUNNING:
+            return replace(view, state=JobState.PREEMPTING, updated_at=max(at, view.updated_at))
+        return view
+    if isinstance(p, PreemptionCanceled):
+        if p.attempt == view.attempt and view.state is JobState.PREEMPTING:
+            return replace(view, state=JobState.RUNNING, updated_at=max(at, view.updated_at))
+        return view
     if isinstance(p, JobPreempted):
-        if p.attempt == view.attempt and view.state in (JobState.PLACED, JobState.RUNNING):
+        leaving = (JobState.PLACED, JobState.RUNNING, JobState.PREEMPTING)
+        if p.attempt == view.attempt and view.state in leaving:
             return replace(
                 view,
                 state=JobState.QUEUED,
@@ -129,6 +142,12 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
                 ended_attempt=p.attempt,
             )
         return view
+    if isinstance(p, RunFailed):
+        # The queue decides whether the job is retried (job.queued) or ends (job.finished);
+        # until then the state stays, but late events of this run move the job no more.
+        if view.state.terminal or p.attempt <= view.ended_attempt or p.attempt < view.attempt:
+            return view
+        return replace(view, ended_attempt=p.attempt, updated_at=max(at, view.updated_at))
     if isinstance(p, PlacementRefused):
         if view.state is JobState.PLACED and p.attempt == view.attempt:
             return replace(view, state=JobState.QUEUED, updated_at=at)
@@ -149,8 +168,19 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
 def _words(p: Any, view: JobView | None) -> tuple[str | None, str | None]:
     if isinstance(p, JobRejected):
         return p.reason_code.value, p.message
-    if isinstance(p, JobFinished | PlacementRefused | JobPreempted):
+    if isinstance(p, JobPreempted) and (p.work_kept_s or p.work_lost_s):
+        work = f"{p.work_kept_s:g} s of work kept, {p.work_lost_s:g} s lost"
+        return p.reason_code, f"{p.message} ({work})"
+    if isinstance(p, JobFinished | PlacementRefused | JobPreempted | RunFailed):
         return p.reason_code, p.message
+    if isinstance(p, JobCheckpointRequested):
+        stop = p.stop_at.isoformat(timespec="seconds")
+        return "checkpoint_requested", (
+            f"asked to checkpoint to make room for job {p.for_job} ({p.reason_code}); "
+            f"stopped after its {p.grace_s:g} s grace period, at {stop}"
+        )
+    if isinstance(p, PreemptionCanceled):
+        return p.reason_code, f"not preempted: {p.message}"
     if isinstance(p, PlacementDecided):
         nodes = sorted({r.node_id for r in p.replicas})
         return None, f"placed on {p.cluster}: {', '.join(nodes)} (attempt {p.attempt})"
@@ -160,7 +190,19 @@ def _words(p: Any, view: JobView | None) -> tuple[str | None, str | None]:
         return "cancel_requested", f"cancel requested by {p.requested_by}"
     if isinstance(p, JobQueued):
         if p.requeue_of_attempt is not None:
-            avoid = f", avoiding {', '.join(p.excluded_nodes)}" if p.excluded_nodes else ""
-            return "requeued", f"requeued after attempt {p.requeue_of_attempt}{avoid}"
+            return "requeued", _requeued(p, view)
         return None, f"queued in {p.spec.queue}"
     return None, None
+
+
+def _requeued(p: JobQueued, view: JobView | None) -> str:
+    words = [f"requeued after attempt {p.requeue_of_attempt}"]
+    if p.excluded_nodes:
+        words.append(f"avoiding {', '.join(p.excluded_nodes)}")
+    first = view.spec if view is not None else None
+    memory = p.spec.resources.memory_gb
+    if first is not None and first.resources.memory_gb != memory:
+        words.append(f"with {memory:g} GB memory per replica")  # grown after out of memory
+    if p.not_before is not None:
+        words.append(f"not placed before {p.not_before.isoformat(timespec='seconds')}")
+    return ", ".join(words)

@@ -1,5 +1,6 @@
-"""The health service: judges nodes from heartbeats, probes and inventories; quarantines and
-recovers them with hysteresis; raises one alert per incident.
+"""The health service: judges nodes from heartbeats, probes and inventories, and finds
+stragglers in job progress reports; quarantines and recovers nodes with hysteresis; raises one
+alert per incident.
 
 It runs as a single instance: the silence check covers every node, so two replicas sharing
 the heartbeat partitions would each declare the other's nodes dark.

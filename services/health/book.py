@@ -4,7 +4,8 @@ changes. Decisions come back as `Changes` (data); the service persists and annou
 
 Incidents make "one alert per incident, not per probe": a quarantine opens an incident and
 raises its one alert; later signals only bump its count. A whole cluster going dark is one
-cluster incident shared by all its nodes.
+cluster incident shared by all its nodes. The book also holds the straggler detector's job
+tracks (services.health.pace); services.health.stragglers decides over them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import datetime
 from schemas.health import Severity, SignalKind
 from services.health import machine
 from services.health.machine import NodeHealth, Signal, Verdict
+from services.health.pace import Straggle, Track
 from services.health.rules import HEARTBEAT_LOST, HealthRules
 
 IdFactory = Callable[[], str]
@@ -86,17 +88,21 @@ class Changes:
     unhealthy: list[Unhealthy] = field(default_factory=list)
     recovered: list[Recovered] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)  # incident ids that raise their alert
+    tracks: dict[str, Track | None] = field(default_factory=dict)  # by job id; None: dropped
+    stragglers: list[Straggle] = field(default_factory=list)  # nodes that just became one
 
     def __bool__(self) -> bool:
-        return bool(self.nodes or self.incidents)
+        return bool(self.nodes or self.incidents or self.tracks)
 
 
 @dataclass
 class HealthBook:
-    """Every known node and the open incidents: the service's in-memory view of its store."""
+    """Every known node, the open incidents and the straggler detector's job tracks: the
+    service's in-memory view of its store."""
 
     nodes: dict[str, NodeHealth] = field(default_factory=dict)
     incidents: dict[str, Incident] = field(default_factory=dict)
+    tracks: dict[str, Track] = field(default_factory=dict)
 
     def apply(self, changes: Changes) -> None:
         self.nodes.update(changes.nodes)
@@ -105,6 +111,11 @@ class HealthBook:
                 self.incidents[inc.incident_id] = inc
             else:
                 self.incidents.pop(inc.incident_id, None)
+        for job_id, track in changes.tracks.items():
+            if track is None:
+                self.tracks.pop(job_id, None)
+            else:
+                self.tracks[job_id] = track
 
 
 class Draft:
@@ -135,10 +146,27 @@ class Draft:
         ids = sorted({*self.book.nodes, *self.changes.nodes})
         return [n for n in (self.node(i) for i in ids) if n is not None]
 
+    def open_incidents(self) -> list[Incident]:
+        ids = sorted({*self.book.incidents, *self.changes.incidents})
+        found = (self.incident(i) for i in ids)
+        return [i for i in found if i is not None and i.closed_at is None]
+
+    def track(self, job_id: str) -> Track | None:
+        if job_id in self.changes.tracks:
+            return self.changes.tracks[job_id]
+        return self.book.tracks.get(job_id)
+
+    def put_track(self, job_id: str, track: Track | None) -> None:
+        self.changes.tracks[job_id] = track
+
+    def all_tracks(self) -> list[Track]:
+        ids = sorted({*self.book.tracks, *self.changes.tracks})
+        return [t for t in (self.track(i) for i in ids) if t is not None]
+
     def open_incident(
         self,
         subject: str,
-        node: NodeHealth,
+        cluster: str,
         cause: str,
         severity: Severity,
         action: str,
@@ -148,7 +176,7 @@ class Draft:
         node_id: str | None,
     ) -> Incident:
         inc = Incident(
-            self.new_id(), subject, node.cluster, node_id, cause, severity, action, now, now, count
+            self.new_id(), subject, cluster, node_id, cause, severity, action, now, now, count
         )
         self.put_incident(inc)
         self.changes.alerts.append(inc.incident_id)
@@ -185,7 +213,7 @@ def probes_seen(draft: Draft, probes: Iterable[Seen], now: datetime) -> int:
         if verdict == Verdict.QUARANTINE:
             inc = draft.open_incident(
                 node.node_id,
-                node,
+                node.cluster,
                 rule.name,
                 rule.severity,
                 rule.suggested_action,
@@ -233,7 +261,7 @@ def _silences(draft: Draft, now: datetime, watch_from: datetime) -> None:
         if inc is None and all_dark and len(members[cluster]) >= t.cluster_min_nodes:
             inc = draft.open_incident(
                 cluster,
-                dark[0],
+                cluster,
                 HEARTBEAT_LOST,
                 draft.rules.silence_severity,
                 draft.rules.cluster_silence_action,
@@ -249,7 +277,7 @@ def _silences(draft: Draft, now: datetime, watch_from: datetime) -> None:
             else:
                 own = draft.open_incident(
                     node.node_id,
-                    node,
+                    node.cluster,
                     HEARTBEAT_LOST,
                     draft.rules.silence_severity,
                     draft.rules.silence_action,
@@ -265,11 +293,9 @@ def _silences(draft: Draft, now: datetime, watch_from: datetime) -> None:
 
 def _cluster_incident(draft: Draft, cluster: str) -> Incident | None:
     found = [
-        inc
-        for inc in (*draft.book.incidents.values(), *draft.changes.incidents.values())
-        if inc.node_id is None and inc.cluster == cluster and inc.closed_at is None
+        inc for inc in draft.open_incidents() if inc.node_id is None and inc.cluster == cluster
     ]
-    return draft.incident(max(found, key=lambda i: i.first_seen).incident_id) if found else None
+    return max(found, key=lambda i: i.first_seen) if found else None
 
 
 def _recoveries(draft: Draft, now: datetime) -> None:

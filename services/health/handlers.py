@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.kafka import OutMessage
 from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
-from services.health import store
+from services.health import store, stragglers
 from services.health.book import (
     Changes,
     Draft,
@@ -28,7 +28,7 @@ from services.health.book import (
 from services.health.emit import messages_for
 from services.health.intake import read_batch
 from services.health.machine import NodeState
-from services.health.rules import HealthRules
+from services.health.rules import STRAGGLER, HealthRules
 
 Clock = Callable[[], datetime]
 
@@ -49,6 +49,31 @@ class HealthMetrics:
             "qm_health_dead_letters_total", "Records dead-lettered", registry=registry
         )
         self.states = Gauge("qm_health_nodes", "Known nodes by state", ["state"], registry=registry)
+        self.progress = Counter(
+            "qm_health_progress_reports_total",
+            "Job progress reports, judged or ignored (gang of one, older attempt, redelivery)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.stragglers = Counter(
+            "qm_health_stragglers_detected_total",
+            "Nodes found straggling on a job (slow in n of its last m reports)",
+            registry=registry,
+        )
+        self.straggler_incidents = Counter(
+            "qm_health_straggler_incidents_total",
+            "Straggler incidents opened (each with its one alert) and closed",
+            ["event"],
+            registry=registry,
+        )
+        self.straggling = Gauge(
+            "qm_health_straggling_nodes", "Nodes straggling on at least one job", registry=registry
+        )
+        self.tracked = Gauge(
+            "qm_health_progress_jobs",
+            "Jobs whose progress the straggler detector follows",
+            registry=registry,
+        )
 
 
 class HealthMonitor:
@@ -75,6 +100,7 @@ class HealthMonitor:
         self.watch_from: datetime | None = None
         # Batches and the periodic check both decide over the same book: one at a time.
         self._lock = asyncio.Lock()
+        self._count_tracks()  # what a restart reloaded
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Changes:
         async with self._lock:
@@ -92,17 +118,22 @@ class HealthMonitor:
                 unmatched = probes_seen(
                     draft, [s for eid, s in probes.items() if eid in fresh], now
                 )
+                ignored = stragglers.progress_seen(draft, batch.progress, now)
                 staged = await self._write(conn, draft.changes, batch.dead)
             self._committed(draft.changes, staged)
             self.metrics.unmatched.inc(unmatched)
+            self.metrics.progress.labels("judged").inc(len(batch.progress) - ignored)
+            self.metrics.progress.labels("ignored").inc(ignored)
             self.metrics.dead.inc(len(batch.dead))
             return draft.changes
 
     async def check(self) -> Changes:
-        """Silence and recovery: decided on the clock, not on any event."""
+        """Silence, recovery and stopped progress reports: decided on the clock."""
         async with self._lock:
             draft = Draft(self.book, self.rules, self.new_id)
-            check(draft, self.clock(), self.watch_from)
+            now = self.clock()
+            check(draft, now, self.watch_from)
+            stragglers.expired(draft, now, self.watch_from)
             if draft.changes:
                 async with self.pool.acquire() as conn, conn.transaction():
                     staged = await self._write(conn, draft.changes, [])
@@ -127,7 +158,24 @@ class HealthMonitor:
             self.metrics.unhealthy.labels(sick.node.cause or "").inc()
         self.metrics.recovered.inc(len(changes.recovered))
         self.metrics.alerts.inc(len(changes.alerts))
+        self.metrics.stragglers.inc(len(changes.stragglers))
+        for inc in changes.incidents.values():
+            if inc.cause != STRAGGLER:
+                continue
+            if inc.incident_id in changes.alerts:
+                self.metrics.straggler_incidents.labels("opened").inc()
+            if inc.closed_at is not None:
+                self.metrics.straggler_incidents.labels("closed").inc()
+        if changes.tracks:
+            self._count_tracks()
         if changes.nodes:
             for state in NodeState:
                 n = sum(1 for node in self.book.nodes.values() if node.state == state)
                 self.metrics.states.labels(state.value).set(n)
+
+    def _count_tracks(self) -> None:
+        tracks = self.book.tracks.values()
+        self.metrics.tracked.set(len(tracks))
+        self.metrics.straggling.set(
+            len({w.node_id for t in tracks for w in t.nodes if w.straggling})
+        )

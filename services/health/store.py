@@ -1,5 +1,6 @@
-"""The health service's PostgreSQL schema `health`: node states and incidents (plus the
-outbox and processed events of services.common.outbox). Writes are batched upserts."""
+"""The health service's PostgreSQL schema `health`: node states, incidents and the straggler
+detector's job tracks (plus the outbox and processed events of services.common.outbox). Writes
+are batched upserts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncpg
 from schemas.health import Severity
 from services.health.book import Changes, HealthBook, Incident
 from services.health.machine import NodeHealth, NodeState, Signal
+from services.health.pace import NodeWindow, Track
 
 SCHEMA = "health"
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -22,6 +24,7 @@ async def load_book(pool: asyncpg.Pool) -> HealthBook:
     async with pool.acquire() as conn:
         nodes = await conn.fetch("SELECT * FROM health.nodes")
         incidents = await conn.fetch("SELECT * FROM health.incidents WHERE closed_at IS NULL")
+        tracks = await conn.fetch("SELECT * FROM health.straggler_tracks")
     book = HealthBook()
     for r in nodes:
         book.nodes[r["node_id"]] = NodeHealth(
@@ -40,12 +43,15 @@ async def load_book(pool: asyncpg.Pool) -> HealthBook:
         )
     for r in incidents:
         book.incidents[r["incident_id"]] = _incident(r)
+    for r in tracks:
+        book.tracks[r["job_id"]] = _track(r)
     return book
 
 
 async def save(conn: asyncpg.Connection, changes: Changes) -> None:
     await _save_nodes(conn, sorted(changes.nodes.values(), key=lambda n: n.node_id))
     await _save_incidents(conn, list(changes.incidents.values()))
+    await _save_tracks(conn, changes.tracks)
 
 
 async def incidents_of(conn: asyncpg.Connection, subject: str) -> list[Incident]:
@@ -126,3 +132,54 @@ def _incident(r: asyncpg.Record) -> Incident:
         count=r["count"],
         closed_at=r["closed_at"],
     )
+
+
+async def _save_tracks(conn: asyncpg.Connection, tracks: dict[str, Track | None]) -> None:
+    gone = sorted(job_id for job_id, t in tracks.items() if t is None)
+    kept = [t for _, t in sorted(tracks.items()) if t is not None]
+    if gone:
+        await conn.execute("DELETE FROM health.straggler_tracks WHERE job_id = ANY($1)", gone)
+    if not kept:
+        return
+    await conn.executemany(
+        "INSERT INTO health.straggler_tracks (job_id, attempt, cluster, last_at, nodes) "
+        "VALUES ($1, $2, $3, $4, $5::jsonb) ON CONFLICT (job_id) DO UPDATE SET "
+        "attempt = EXCLUDED.attempt, cluster = EXCLUDED.cluster, last_at = EXCLUDED.last_at, "
+        "nodes = EXCLUDED.nodes",
+        [
+            (
+                t.job_id,
+                t.attempt,
+                t.cluster,
+                t.last_at,
+                json.dumps([_window_doc(w) for w in t.nodes]),
+            )
+            for t in kept
+        ],
+    )
+
+
+def _window_doc(w: NodeWindow) -> dict[str, object]:
+    return {
+        "node_id": w.node_id,
+        "last_at": w.last_at.isoformat(),
+        "recent": "".join("1" if slow else "0" for slow in w.recent),
+        "straggling": w.straggling,
+        "replica": w.replica,
+        "ratio": w.ratio,
+    }
+
+
+def _track(r: asyncpg.Record) -> Track:
+    windows = tuple(
+        NodeWindow(
+            node_id=d["node_id"],
+            last_at=datetime.fromisoformat(d["last_at"]),
+            recent=tuple(c == "1" for c in d["recent"]),
+            straggling=bool(d["straggling"]),
+            replica=int(d["replica"]),
+            ratio=float(d["ratio"]),
+        )
+        for d in json.loads(r["nodes"])
+    )
+    return Track(r["job_id"], r["attempt"], r["cluster"], r["last_at"], windows)

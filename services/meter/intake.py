@@ -16,6 +16,7 @@ from schemas.events import (
     JobStarted,
     PlacementDecided,
     PlacementRefused,
+    RunFailed,
 )
 from schemas.validation import describe_validation_error
 from services.common.deadletter import dead_letter, decode_envelopes
@@ -31,6 +32,7 @@ PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
+    topics.JOB_RUN_FAILED: RunFailed,
     topics.CLUSTER_CAPACITY: ClusterCapacity,
 }
 TOPICS = tuple(PAYLOADS)
@@ -68,6 +70,11 @@ def _fact(payload: Any, producer: str) -> Fact | None:
         return Finished(
             payload.job_id, payload.attempt, micros(payload.ran_s), "preempted", measured
         )
+    if isinstance(payload, RunFailed):
+        # The job's own run failed (exit code, out of memory): the run is over and billed,
+        # whether or not the queue retries the job (a retry is another attempt).
+        measured = producer.startswith("executor") or payload.ran_s > 0
+        return Finished(payload.job_id, payload.attempt, micros(payload.ran_s), "failed", measured)
     if isinstance(payload, ClusterCapacity):
         return Capacity(payload)
     return None

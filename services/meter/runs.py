@@ -6,7 +6,8 @@ its start (when) are known -- they travel on different topics and may arrive in 
 -- and closes on its end (how long it ran, as the executor measured it). A JobFinished from
 anyone but an executor that says the run lasted 0 s is the queue's bookkeeping for a job that
 never ran; it closes nothing, so a race between a cancel and a start cannot erase a real run.
-A `job.preempted` (node failure, room for a higher claim) closes a run the same way.
+A `job.preempted` (node failure, room for a higher claim) or a `job.run.failed` (the job's own
+failure, retried or not) closes a run the same way.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
         pool, relay = await open_outboxed(
             runtime, broker, committer, schema=store.SCHEMA, migrations=store.MIGRATIONS
         )
-        state["processor"] = QueueProcessor(pool, relay, policy, metrics)
+        state["processor"] = QueueProcessor(
+            pool, relay, policy, metrics, time_scale=settings.time_scale
+        )
         await broker.start()
 
     app = create_http_app(runtime)

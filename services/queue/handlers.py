@@ -11,10 +11,10 @@ from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from core.policy import Policy
-from schemas.events import JobPreempted
+from schemas.events import JobPreempted, RunFailed
 from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
 from services.queue import store
-from services.queue.intake import NewJob, read_batch
+from services.queue.intake import LifecycleEvent, NewJob, read_batch
 from services.queue.planning import Plan, item_event_id, item_job_id, plan_batch
 
 log = structlog.get_logger()
@@ -42,12 +42,18 @@ class QueueMetrics:
 
 class QueueProcessor:
     def __init__(
-        self, pool: asyncpg.Pool, relay: OutboxRelay, policy: Policy, metrics: QueueMetrics
+        self,
+        pool: asyncpg.Pool,
+        relay: OutboxRelay,
+        policy: Policy,
+        metrics: QueueMetrics,
+        time_scale: float = 1.0,
     ) -> None:
         self.pool = pool
         self.relay = relay
         self.policy = policy
         self.metrics = metrics
+        self.time_scale = time_scale  # fleet seconds per wall second, for requeue backoffs
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Plan:
         oldest = min(r.timestamp for r in records) / 1000 if records else time.time()
@@ -72,22 +78,33 @@ class QueueProcessor:
                     for i in todo
                     if isinstance(i, NewJob) and i.submission.spec.idempotency_key
                 }
-                idem = await store.find_by_idempotency(conn, keys)  # type: ignore[arg-type]
+                idem = await store.find_by_idempotency(conn, keys)
                 new_ids = [i.job_id for i in todo if isinstance(i, NewJob)]
                 early = await store.take_early_cancels(conn, new_ids)
                 ended_runs = [
                     i.payload.job_id
                     for i in todo
-                    if isinstance(getattr(i, "payload", None), JobPreempted)
+                    if isinstance(i, LifecycleEvent)
+                    and isinstance(i.payload, JobPreempted | RunFailed)
                 ]
                 specs = await store.job_specs(conn, ended_runs)
                 blocks = await store.budget_blocks(conn)
-                plan = plan_batch(todo, records_by_id, idem, self.policy, early, specs, blocks)
+                plan = plan_batch(
+                    todo,
+                    records_by_id,
+                    idem,
+                    self.policy,
+                    early,
+                    specs,
+                    blocks,
+                    time_scale=self.time_scale,
+                )
                 await store.save_budget_blocks(
                     conn, [b for k, b in plan.budget_blocks.items() if blocks.get(k) != b]
                 )
                 await store.insert_jobs(conn, plan.inserts)
                 await store.update_jobs(conn, list(plan.updates.values()))
+                await store.update_specs(conn, plan.spec_updates)
                 await store.add_history(conn, plan.history)
                 await store.add_rejections(conn, plan.rejections)
                 await store.add_early_cancels(conn, plan.early_cancels)

@@ -18,6 +18,7 @@ from schemas.events import (
     JobStarted,
     PlacementDecided,
     PlacementRefused,
+    RunFailed,
 )
 from schemas.usage import BudgetExceeded
 from schemas.validation import (
@@ -38,6 +39,7 @@ LIFECYCLE_PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
+    topics.JOB_RUN_FAILED: RunFailed,
     topics.BUDGET_EXCEEDED: BudgetExceeded,
 }
 # Two consumers: requests (submissions and cancels, on every job's critical path) are never

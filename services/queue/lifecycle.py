@@ -3,10 +3,12 @@ line and the events to announce out. Pure apart from stamping new envelopes.
 
 Events about one job arrive on several topics, so their relative order is not guaranteed:
 transitions only move forward (by rank), and an event for an older attempt changes nothing.
+What follows a run that ends before its job is done (preempted, failed): services.queue.retries.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -15,7 +17,6 @@ from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
     JobFinished,
-    JobPreempted,
     JobQueued,
     JobStarted,
     JobStopOrdered,
@@ -51,7 +52,9 @@ class JobRecord:
     message: str | None = None
     requeues: int = 0
     excluded_nodes: tuple[str, ...] = ()
-    ended_attempt: int = 0  # the last run the platform ended; its late events change nothing
+    ended_attempt: int = 0  # the last run that ended; its late events change nothing
+    failures: int = 0  # runs that failed by the job's own fault (charged to spec.retry)
+    claim_preemptions: int = 0  # runs preempted for a higher claim (they back off)
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,14 @@ class Step:
     record: JobRecord
     history: list[HistoryEntry] = field(default_factory=list)
     emits: list[OutMessage] = field(default_factory=list)
+    spec: JobSpec | None = None  # the job's spec, when this step changed it (kept for requeues)
 
 
 def _rank(state: JobState) -> int:
     return 4 if state.terminal else _RANK[state]
 
 
-def _note(step: Step, env: Envelope, reason: str | None = None, message: str | None = None) -> None:
+def note(step: Step, env: Envelope, reason: str | None = None, message: str | None = None) -> None:
     rec = step.record
     step.history.append(
         HistoryEntry(
@@ -96,7 +100,7 @@ def _stop(rec: JobRecord, env: Envelope, reason: str) -> OutMessage:
     )
 
 
-def _finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: str) -> OutMessage:
+def finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: str) -> OutMessage:
     # The queue ends the *job* (no run of it is going on), so the event names no attempt:
     # consumers that skip the ends of old runs by attempt must not skip this one.
     done = JobFinished(
@@ -114,7 +118,7 @@ def _finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: s
     )
 
 
-def _cancel_now(step: Step, env: Envelope, message: str) -> None:
+def cancel_now(step: Step, env: Envelope, message: str) -> None:
     """A cancel was waiting for the run to end; it has: the job ends canceled."""
     step.record = replace(
         step.record,
@@ -123,14 +127,14 @@ def _cancel_now(step: Step, env: Envelope, message: str) -> None:
         message=message,
         updated_at=env.occurred_at,
     )
-    step.emits.append(_finish(step.record, env, Outcome.CANCELED, "canceled", message))
+    step.emits.append(finish(step.record, env, Outcome.CANCELED, "canceled", message))
 
 
 def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state is JobState.CANCELED or rec.cancel_requested:
         step.emits.append(_stop(rec, env, "canceled"))
-        _note(step, env, "stop_ordered", f"placed on {p.cluster} after cancel; stop ordered")
+        note(step, env, "stop_ordered", f"placed on {p.cluster} after cancel; stop ordered")
         return step
     if rec.state.terminal or p.attempt < rec.attempt or p.attempt <= rec.ended_attempt:
         return step
@@ -143,7 +147,7 @@ def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
             updated_at=env.occurred_at,
         )
     nodes = sorted({r.node_id for r in p.replicas})
-    _note(step, env, None, f"placed on {p.cluster}: {', '.join(nodes)}")
+    note(step, env, None, f"placed on {p.cluster}: {', '.join(nodes)}")
     return step
 
 
@@ -152,10 +156,10 @@ def on_refused(rec: JobRecord, p: PlacementRefused, env: Envelope) -> Step:
     if rec.state is not JobState.PLACED or p.attempt != rec.attempt:
         return step
     if rec.cancel_requested:
-        _cancel_now(step, env, "canceled before it started")
+        cancel_now(step, env, "canceled before it started")
     else:
         step.record = replace(rec, state=JobState.QUEUED, updated_at=env.occurred_at)
-    _note(step, env, p.reason_code, p.message)
+    note(step, env, p.reason_code, p.message)
     return step
 
 
@@ -163,7 +167,7 @@ def on_started(rec: JobRecord, p: JobStarted, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state is JobState.CANCELED:
         step.emits.append(_stop(rec, env, "canceled"))
-        _note(step, env, "stop_ordered", "started after cancel; stop ordered")
+        note(step, env, "stop_ordered", "started after cancel; stop ordered")
         return step
     if rec.state.terminal or p.attempt < rec.attempt or p.attempt <= rec.ended_attempt:
         return step
@@ -174,7 +178,7 @@ def on_started(rec: JobRecord, p: JobStarted, env: Envelope) -> Step:
         cluster=p.cluster,
         updated_at=env.occurred_at,
     )
-    _note(step, env, None, f"running on {len(p.nodes)} node(s) in {p.cluster}")
+    note(step, env, None, f"running on {len(p.nodes)} node(s) in {p.cluster}")
     return step
 
 
@@ -191,14 +195,14 @@ def on_finished(rec: JobRecord, p: JobFinished, env: Envelope) -> Step:
         message=p.message,
         updated_at=env.occurred_at,
     )
-    _note(step, env, p.reason_code, p.message)
+    note(step, env, p.reason_code, p.message)
     return step
 
 
 def on_cancel(rec: JobRecord, p: JobCancelRequested, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state.terminal:
-        _note(step, env, "cancel_ignored", f"cancel ignored: job already {rec.state.value}")
+        note(step, env, "cancel_ignored", f"cancel ignored: job already {rec.state.value}")
         return step
     who = p.requested_by
     if _rank(rec.state) <= _rank(JobState.QUEUED):
@@ -210,48 +214,55 @@ def on_cancel(rec: JobRecord, p: JobCancelRequested, env: Envelope) -> Step:
             message=msg,
             updated_at=env.occurred_at,
         )
-        step.emits.append(_finish(step.record, env, Outcome.CANCELED, "canceled", msg))
+        step.emits.append(finish(step.record, env, Outcome.CANCELED, "canceled", msg))
         # A placement may already be in flight: make sure it is stopped wherever it lands.
         step.emits.append(_stop(step.record, env, "canceled"))
     else:
         step.record = replace(rec, cancel_requested=True, updated_at=env.occurred_at)
         step.emits.append(_stop(rec, env, "canceled"))
         msg = f"cancel requested by {who}; stopping on {rec.cluster}"
-    _note(step, env, "canceled", msg)
+    note(step, env, "canceled", msg)
     return step
 
 
-def on_preempted(rec: JobRecord, p: JobPreempted, env: Envelope, spec: JobSpec | None) -> Step:
-    """The platform ended the run (node failure, room for a higher claim): the whole gang goes
-    back to the queue with its original submit time, avoiding the nodes that failed. Not
-    charged to any retry budget."""
-    step = Step(rec)
-    # A preemption can be read before its run's placement (other topic): take it by its own
-    # attempt. A run already ended is never requeued twice.
-    ended = p.attempt < rec.attempt or p.attempt <= rec.ended_attempt
-    if rec.state.terminal or ended or spec is None:
-        return step
-    if rec.cancel_requested:
-        _cancel_now(step, env, "canceled while it was being stopped")
-        _note(step, env, p.reason_code, p.message)
-        return step
-    excluded = tuple(dict.fromkeys((*rec.excluded_nodes, *p.failed_nodes)))
+def ended_before(rec: JobRecord, attempt: int) -> bool:
+    """An older run, or one already ended: its end changes nothing (it may be read before
+    its run's placement, on another topic, so it is taken by its own attempt)."""
+    return attempt < rec.attempt or attempt <= rec.ended_attempt
+
+
+def requeue(
+    step: Step,
+    env: Envelope,
+    spec: JobSpec,
+    ended: int,
+    *,
+    failed_nodes: Sequence[str] = (),
+    not_before: datetime | None = None,
+) -> int:
+    """Run `ended` is over and the job waits again: `job.queued` with the original submit
+    time, the nodes to avoid and, on a backoff, the wall-clock time before which it is not
+    placed. Returns the requeue's number (the JobQueued's attempt)."""
+    rec = step.record
+    excluded = tuple(dict.fromkeys((*rec.excluded_nodes, *failed_nodes)))
+    number = rec.requeues + 1
     step.record = replace(
         rec,
         state=JobState.QUEUED,
-        requeues=rec.requeues + 1,
+        requeues=number,
         excluded_nodes=excluded,
-        attempt=p.attempt,
-        ended_attempt=p.attempt,
+        attempt=ended,
+        ended_attempt=ended,
         updated_at=env.occurred_at,
     )
     queued = JobQueued(
         job_id=rec.job_id,
         spec=spec,
         submitted_at=rec.submitted_at,
-        attempt=rec.requeues + 1,
-        requeue_of_attempt=p.attempt,
+        attempt=number,
+        requeue_of_attempt=ended,
         excluded_nodes=list(excluded),
+        not_before=not_before,
     )
     step.emits.append(
         OutMessage(
@@ -260,5 +271,4 @@ def on_preempted(rec: JobRecord, p: JobPreempted, env: Envelope, spec: JobSpec |
             envelope_for("JobQueued", queued, producer=PRODUCER, tenant=rec.tenant, cause=env),
         )
     )
-    _note(step, env, p.reason_code, f"{p.message}; requeued (requeue {rec.requeues + 1})")
-    return step
+    return number

@@ -18,16 +18,18 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
     RejectReason,
+    RunFailed,
 )
 from schemas.job import JobSpec, JobState
 from schemas.usage import BudgetExceeded
 from services.common.admission import Rejection as Refusal
 from services.common.admission import check_admission
 from services.common.kafka import OutMessage, envelope_for
-from services.queue import lifecycle
+from services.queue import lifecycle, retries
 from services.queue.budgets import BudgetBlock, check_budget, note_exceeded
 from services.queue.intake import BadJob, Item, LifecycleEvent, NewJob
 from services.queue.lifecycle import PRODUCER, HistoryEntry, JobRecord, Step
+from services.queue.retries import Backoff
 
 Rejection = tuple[str, str | None, str | None, str, str, datetime]
 
@@ -36,6 +38,7 @@ Rejection = tuple[str, str | None, str | None, str, str, datetime]
 class Plan:
     inserts: list[tuple[JobRecord, JobSpec]] = field(default_factory=list)
     updates: dict[str, JobRecord] = field(default_factory=dict)
+    spec_updates: dict[str, JobSpec] = field(default_factory=dict)  # e.g. more memory after OOM
     history: list[HistoryEntry] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     emits: list[OutMessage] = field(default_factory=list)
@@ -65,12 +68,16 @@ def plan_batch(
     early_cancels: dict[str, str] | None = None,
     specs: dict[str, JobSpec] | None = None,
     budget_blocks: dict[str, BudgetBlock] | None = None,
+    time_scale: float = 1.0,
 ) -> Plan:
     """`early_cancels`: job id -> who asked, for cancels that arrived before their job.
-    `specs`: the stored specs of jobs whose run the platform ended (they are requeued)."""
+    `specs`: the stored specs of jobs whose run ended (they may be requeued).
+    `time_scale`: fleet seconds per wall-clock second, to turn backoffs into `not_before`."""
     plan = Plan(budget_blocks=dict(budget_blocks or {}))
     inserted: set[str] = set()
     early = dict(early_cancels or {})
+    specs = dict(specs or {})
+    backoff = Backoff.of(policy.preemption, time_scale)
     for item in items:
         if isinstance(item, LifecycleEvent) and isinstance(item.payload, BudgetExceeded):
             plan.budget_blocks = note_exceeded(plan.budget_blocks, item.payload)
@@ -81,7 +88,7 @@ def plan_batch(
         elif isinstance(item, BadJob):
             _plan_bad(plan, item)
         else:
-            _plan_lifecycle(plan, item, records, inserted, specs or {})
+            _plan_lifecycle(plan, item, records, inserted, specs, backoff)
     return plan
 
 
@@ -226,6 +233,7 @@ def _plan_lifecycle(
     records: dict[str, JobRecord],
     inserted: set[str],
     specs: dict[str, JobSpec],
+    backoff: Backoff,
 ) -> None:
     job_id = str(item.payload.job_id)
     record = records.get(job_id)
@@ -235,7 +243,10 @@ def _plan_lifecycle(
         else:
             plan.unknown_job_events += 1
         return
-    _apply_step(plan, job_id, _transition(record, item, specs.get(job_id)), records, inserted)
+    step = _transition(record, item, specs.get(job_id), backoff)
+    if step.spec is not None:
+        specs[job_id] = step.spec  # a later requeue in this batch carries it on
+    _apply_step(plan, job_id, step, records, inserted)
 
 
 def _cancel_on_arrival(
@@ -265,14 +276,20 @@ def _apply_step(
     elif step.record is not record:
         # Changed in the same batch that created it: rewrite the pending insert instead.
         plan.inserts = [(step.record if r.job_id == job_id else r, s) for r, s in plan.inserts]
+    if step.spec is not None:
+        plan.spec_updates[job_id] = step.spec
     plan.history.extend(step.history)
     plan.emits.extend(step.emits)
 
 
-def _transition(record: JobRecord, item: LifecycleEvent, spec: JobSpec | None) -> Step:
+def _transition(
+    record: JobRecord, item: LifecycleEvent, spec: JobSpec | None, backoff: Backoff
+) -> Step:
     p, env = item.payload, item.envelope
+    if isinstance(p, RunFailed):
+        return retries.on_run_failed(record, p, env, spec, backoff)
     if isinstance(p, JobPreempted):
-        return lifecycle.on_preempted(record, p, env, spec)
+        return retries.on_preempted(record, p, env, spec, backoff)
     if isinstance(p, PlacementDecided):
         return lifecycle.on_placed(record, p, env)
     if isinstance(p, PlacementRefused):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import asyncpg
@@ -18,7 +18,8 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 _COLUMNS = (
     "job_id, tenant, state, attempt, cluster, cancel_requested, reason_code, message, "
-    "submitted_at, updated_at, requeues, excluded_nodes, ended_attempt"
+    "submitted_at, updated_at, requeues, excluded_nodes, ended_attempt, failures, "
+    "claim_preemptions"
 )
 
 
@@ -37,6 +38,8 @@ def _record(row: asyncpg.Record) -> JobRecord:
         requeues=row["requeues"],
         excluded_nodes=tuple(row["excluded_nodes"]),
         ended_attempt=row["ended_attempt"],
+        failures=row["failures"],
+        claim_preemptions=row["claim_preemptions"],
     )
 
 
@@ -128,11 +131,13 @@ async def update_jobs(conn: asyncpg.Connection, records: Sequence[JobRecord]) ->
         "UPDATE queue.jobs AS j SET state = u.state, attempt = u.attempt, cluster = u.cluster, "
         "cancel_requested = u.cancel_requested, reason_code = u.reason_code, "
         "message = u.message, updated_at = u.updated_at, requeues = u.requeues, "
-        "excluded_nodes = string_to_array(u.excluded, ','), ended_attempt = u.ended "
+        "excluded_nodes = string_to_array(u.excluded, ','), ended_attempt = u.ended, "
+        "failures = u.failures, claim_preemptions = u.claim_preemptions "
         "FROM unnest($1::text[], $2::text[], $3::int[], $4::text[], $5::bool[], $6::text[], "
-        "$7::text[], $8::timestamptz[], $9::int[], $10::text[], $11::int[]) "
-        "AS u(job_id, state, attempt, cluster, cancel_requested, reason_code, message, "
-        "updated_at, requeues, excluded, ended) WHERE j.job_id = u.job_id",
+        "$7::text[], $8::timestamptz[], $9::int[], $10::text[], $11::int[], $12::int[], "
+        "$13::int[]) AS u(job_id, state, attempt, cluster, cancel_requested, reason_code, "
+        "message, updated_at, requeues, excluded, ended, failures, claim_preemptions) "
+        "WHERE j.job_id = u.job_id",
         [r.job_id for r in records],
         [r.state.value for r in records],
         [r.attempt for r in records],
@@ -145,6 +150,22 @@ async def update_jobs(conn: asyncpg.Connection, records: Sequence[JobRecord]) ->
         # unnest cannot take a ragged array of arrays: node ids (no commas) travel joined.
         [",".join(r.excluded_nodes) for r in records],
         [r.ended_attempt for r in records],
+        [r.failures for r in records],
+        [r.claim_preemptions for r in records],
+    )
+
+
+async def update_specs(conn: asyncpg.Connection, specs: Mapping[str, JobSpec]) -> None:
+    """Specs the queue changed (more memory after an out-of-memory run): later requeues and
+    restarts carry the changed one."""
+    if not specs:
+        return
+    ids = sorted(specs)
+    await conn.execute(
+        "UPDATE queue.jobs AS j SET spec = u.spec::jsonb "
+        "FROM unnest($1::text[], $2::text[]) AS u(job_id, spec) WHERE j.job_id = u.job_id",
+        ids,
+        [specs[i].model_dump_json(exclude_none=True) for i in ids],
     )
 
 

@@ -1,5 +1,13 @@
 """Reading the scheduler's topics from the beginning, without a consumer group, so that every
-process (leader or standby) holds the whole state and knows when it has caught up."""
+process (leader or standby) holds the whole state and knows when it has caught up.
+
+"Caught up" needs the true end of each partition. Tansu answers ListOffsets (end_offsets) with
+the base offset of the last record batch + 1, not the batch's end, so reading up to it can stop
+inside the last batch: a new leader would then miss the tail of its predecessor's last batch of
+placements and place those jobs again. The high watermark in fetch responses is right, so a
+partition counts as read only when the high watermark has reached the target too (so it comes
+from a fetch answered after the batch was written, not a stale one) and the position has reached
+that high watermark."""
 
 from __future__ import annotations
 
@@ -64,7 +72,7 @@ class Feed:
         if self.caught_up.is_set():
             return
         for tp, end in list(self._targets.items()):
-            if await self._consumer.position(tp) < end:
+            if not await self._read_to(tp, end):
                 return
             del self._targets[tp]
         self.caught_up.set()
@@ -77,8 +85,18 @@ class Feed:
         partitions = list(self._consumer.assignment())
         targets = await self._consumer.end_offsets(partitions)
         for tp, end in targets.items():
-            while await self._consumer.position(tp) < end:  # noqa: ASYNC110 (no event to wait on)
+            while not await self._read_to(tp, end):  # noqa: ASYNC110
                 await asyncio.sleep(poll_s)
+
+    async def _read_to(self, tp: TopicPartition, end: int) -> bool:
+        """Whether `tp` is applied up to its true end as of when `end` was taken: a high
+        watermark at least `end` (fetched after the last batch was written) and a position
+        at least that high watermark."""
+        assert self._consumer is not None
+        highwater = self._consumer.highwater(tp)
+        if highwater is None or highwater < end:
+            return False
+        return await self._consumer.position(tp) >= highwater
 
     async def run(self) -> None:
         assert self._consumer is not None

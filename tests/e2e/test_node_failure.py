@@ -1,4 +1,4 @@
-"""A node fails under a running gang: the health service quarantines it on the injected XID,
+"""A node fails under a running 4-node gang: the health service quarantines it on the injected XID,
 the executor stops the whole gang and hands it back, and the queue requeues it; it runs again
 elsewhere, avoiding the failed node, and finishes."""
 
@@ -11,16 +11,19 @@ import httpx
 from cli.stack import Stack
 
 
-async def test_a_gang_on_a_failed_node_is_requeued_elsewhere(qm_stack: Stack) -> None:
+async def test_a_4_node_gang_on_a_failed_node_is_requeued_whole_elsewhere(
+    qm_stack: Stack,
+) -> None:
     vision = {"Authorization": "Bearer dev-vision"}
     async with httpx.AsyncClient(base_url=qm_stack.gateway_url, timeout=30) as client:
         gang = {
-            "replicas": 2,
+            "replicas": 4,
             "resources": {"accelerators": 8, "accelerator_types": ["H100"]},
             "labels": {"sim_duration_s": "3600"},
         }
         job_id = (await client.post("/v1/jobs", json=gang, headers=vision)).json()["job_id"]
         status = await wait_state(client, job_id, {"running"})
+        assert len(status["nodes"]) == 4, status
         victim = status["nodes"][0]
         executor = next(
             s
@@ -33,9 +36,10 @@ async def test_a_gang_on_a_failed_node_is_requeued_elsewhere(qm_stack: Stack) ->
         assert r.status_code == 202, r.text
         status = await wait_state(client, job_id, {"failed", "succeeded", "canceled"})
     assert status["state"] == "succeeded", status
-    assert victim not in status["nodes"]
+    assert victim not in status["nodes"] and len(status["nodes"]) == 4, status
     kinds = [(h["type"], h["reason_code"]) for h in status["history"]]
-    assert ("JobPreempted", "node_failure") in kinds, kinds
+    # The gang is handed back once, as a whole, not replica by replica.
+    assert kinds.count(("JobPreempted", "node_failure")) == 1, kinds
     assert [k for k, _ in kinds].count("PlacementDecided") == 2, kinds
     assert ("JobQueued", "requeued") in kinds, kinds
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 
 async def produce(bootstrap: str, topic: str, messages: Iterable[tuple[str | None, bytes]]) -> None:
@@ -62,3 +62,70 @@ async def collect(
     finally:
         await consumer.stop()
     return found
+
+
+class LogReader:
+    """Reads whole topics from the start, incrementally, and knows when it has reached the
+    end: for audits of a big log, where a time-boxed read would silently miss records."""
+
+    def __init__(self, bootstrap: str, topics: tuple[str, ...]) -> None:
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._seen: set[str] = set()
+        self._consumer: AIOKafkaConsumer | None = None
+
+    async def __aenter__(self) -> LogReader:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=50,
+        )
+        await consumer.start()
+        await consumer.topics()  # fetches the cluster metadata partitions_for_topic reads
+        partitions = [
+            TopicPartition(t, p)
+            for t in self.topics
+            for p in sorted(consumer.partitions_for_topic(t) or ())
+        ]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        self._consumer = consumer
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def read_to_end(self, timeout_s: float = 300.0) -> list[tuple[str, dict[str, Any]]]:
+        """Everything up to the end offsets as they are now; new envelopes are appended to
+        `events` (deduplicated by event id). Raises TimeoutError if the end is not reached."""
+        consumer = self._consumer
+        assert consumer is not None
+        partitions = list(consumer.assignment())
+        ends = await consumer.end_offsets(partitions)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            # Tansu's end offsets stop at the last batch's first record; the high watermark
+            # of the fetches is the real end (docs/decisions.md).
+            behind = []
+            for tp, end in ends.items():
+                highwater = consumer.highwater(tp)
+                if highwater is None or highwater < end or await consumer.position(tp) < highwater:
+                    behind.append(tp)
+            if not behind:
+                break
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the log was not read to its end within {timeout_s} s")
+            batches = await consumer.getmany(timeout_ms=500, max_records=5000)
+            for tp, records in batches.items():
+                for r in records:
+                    try:
+                        env = json.loads(r.value)
+                    except ValueError:
+                        continue
+                    if not isinstance(env, dict) or env.get("event_id") in self._seen:
+                        continue
+                    self._seen.add(env["event_id"])
+                    self.events.append((tp.topic, env))
+        return self.events

@@ -1,19 +1,27 @@
 """The executor on the real broker and PostgreSQL: it honours what fits, refuses what would
 over-commit (saying why), fences old leader epochs, stops on order, and remembers its
-allocations across a restart."""
+allocations across a restart; it checkpoints and preempts runs on order, reports job failures
+as retryable run failures, and reports gang progress with stragglers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
+import httpx
 
 from schemas import topics
 from schemas.envelope import Envelope
-from schemas.events import PlacementDecided, ReplicaAssignment
+from schemas.events import (
+    JobCheckpointRequested,
+    JobPreemptOrdered,
+    PlacementDecided,
+    ReplicaAssignment,
+)
 from schemas.job import JobSpec
 from services.executor.app import create_app
 from services.executor.settings import ExecutorSettings
@@ -95,7 +103,7 @@ async def test_placements_refusals_fencing_and_restart(service_env: dict[str, An
         await produce(bootstrap, topics.JOB_STOP_ORDERED, [stop(j["a"])])
         second = await collect(bootstrap, OUT, mine, count=6)
 
-    outcome = {}
+    outcome: dict[str, list[tuple[str, str | None]]] = {}
     for topic, env in second:  # each collect reads the topics from the start
         p = env["payload"]
         outcome.setdefault(p["job_id"], []).append(
@@ -109,3 +117,300 @@ async def test_placements_refusals_fencing_and_restart(service_env: dict[str, An
     assert outcome[j["big"]] == [(topics.PLACEMENT_REFUSED, "would_overcommit")]
     refusal = next(env["payload"] for topic, env in first if env["payload"]["job_id"] == j["b"])
     assert "2 whole H100 free of 8" in refusal["message"]
+
+
+# Preemption, checkpoints, run failures and progress run at the e2e tests' time scale: one
+# wall second is ten fleet minutes.
+SCALE = 600.0
+EPOCH = 7  # the fence is shared by every test on this database: never move it backwards
+FOREVER = "100000000"
+
+
+def gang(
+    job_id: str,
+    nodes: list[str],
+    *,
+    attempt: int = 1,
+    gpus: float = 8,
+    memory_gb: float = 64,
+    labels: dict[str, str] | None = None,
+) -> tuple[str, bytes]:
+    spec = JobSpec(
+        tenant="vision",
+        job_id=job_id,
+        replicas=len(nodes),
+        labels={"sim_duration_s": FOREVER, **(labels or {})},
+    )
+    p = PlacementDecided(
+        job_id=job_id,
+        attempt=attempt,
+        epoch=EPOCH,
+        leader="test",
+        cluster=CLUSTER,
+        accelerator_type="H100",
+        spec=spec,
+        replicas=[
+            ReplicaAssignment(
+                replica=i, node_id=node, accelerators=gpus, cpu=4, memory_gb=memory_gb
+            )
+            for i, node in enumerate(nodes)
+        ],
+    )
+    env = Envelope(type="PlacementDecided", payload=p.model_dump(mode="json"))
+    return job_id, env.model_dump_json().encode()
+
+
+def command(payload: JobCheckpointRequested | JobPreemptOrdered) -> tuple[str, bytes]:
+    env = Envelope(type=type(payload).__name__, payload=payload.model_dump(mode="json"))
+    return payload.job_id, env.model_dump_json().encode()
+
+
+def checkpoint_order(job_id: str, attempt: int = 1) -> tuple[str, bytes]:
+    return command(
+        JobCheckpointRequested(
+            job_id=job_id,
+            attempt=attempt,
+            cluster=CLUSTER,
+            grace_s=30,
+            stop_at=datetime.now(UTC) + timedelta(seconds=30 / SCALE),
+            for_job="urgent",
+            reason_code="preempted_for_priority",
+        )
+    )
+
+
+def preempt_order(job_id: str, attempt: int = 1, for_job: str = "urgent") -> tuple[str, bytes]:
+    return command(
+        JobPreemptOrdered(
+            job_id=job_id,
+            attempt=attempt,
+            cluster=CLUSTER,
+            for_job=for_job,
+            reason_code="preempted_for_priority",
+            message=f"made room for {for_job}",
+        )
+    )
+
+
+def node(i: int) -> str:
+    return f"{CLUSTER}-h100-{i:04d}"
+
+
+def of(found: list[tuple[str, dict[str, Any]]], job_id: str, topic: str) -> list[dict[str, Any]]:
+    return [env["payload"] for t, env in found if t == topic and env["payload"]["job_id"] == job_id]
+
+
+async def checkpoint_row(database_url: str, job_id: str) -> asyncpg.Record:
+    """The run's row once its checkpoint signal is recorded."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        for _ in range(200):
+            row = await conn.fetchrow(
+                f"SELECT started_at, checkpoint_at, checkpoint_done_at "
+                f"FROM {schema_for(CLUSTER)}.allocations WHERE job_id = $1",
+                job_id,
+            )
+            if row is not None and row["checkpoint_done_at"] is not None:
+                return row
+            await asyncio.sleep(0.05)
+        raise AssertionError("the checkpoint signal was never recorded")
+    finally:
+        await conn.close()
+
+
+LIFECYCLE = (
+    topics.JOB_STARTED,
+    topics.PLACEMENT_REFUSED,
+    topics.JOB_FINISHED,
+    topics.JOB_PREEMPTED,
+    topics.JOB_RUN_FAILED,
+)
+
+
+def settings_for(service_env: dict[str, Any], **extra: Any) -> ExecutorSettings:
+    return ExecutorSettings(**service_env, executor_cluster=CLUSTER, time_scale=SCALE, **extra)
+
+
+async def test_a_checkpointed_run_is_preempted_with_its_work_kept_even_across_a_restart(
+    service_env: dict[str, Any],
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    victim, after = f"{run}-victim", f"{run}-after"
+    bootstrap = service_env["kafka_bootstrap"]
+    settings = settings_for(service_env)
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return run in env["payload"].get("job_id", "")
+
+    async with running(create_app(settings)):
+        await produce(bootstrap, topics.PLACEMENT_DECIDED, [gang(victim, [node(20)])])
+        await collect(bootstrap, LIFECYCLE, mine, count=1)
+        await asyncio.sleep(0.5)  # ~300 fleet seconds of work before the signal
+        await produce(bootstrap, topics.JOB_CHECKPOINT_REQUESTED, [checkpoint_order(victim)])
+        row = await checkpoint_row(service_env["database_url"], victim)
+    # The checkpoint is in the store: a restarted executor still knows the work it saved.
+    async with running(create_app(settings)):
+        await produce(bootstrap, topics.JOB_PREEMPT_ORDERED, [preempt_order(victim)])
+        found = await collect(bootstrap, LIFECYCLE, mine, count=2)
+        # Its 8 GPUs are free again: the same devices take a new gang.
+        await produce(bootstrap, topics.PLACEMENT_DECIDED, [gang(after, [node(20)])])
+        found = await collect(bootstrap, LIFECYCLE, mine, count=3)
+        await produce(bootstrap, topics.JOB_PREEMPT_ORDERED, [preempt_order(after)])
+        await collect(bootstrap, LIFECYCLE, mine, count=4)
+
+    (event,) = of(found, victim, topics.JOB_PREEMPTED)
+    saved = (row["checkpoint_at"] - row["started_at"]).total_seconds() * SCALE
+    assert event["reason_code"] == "preempted_for_priority"
+    assert event["for_job"] == "urgent" and event["attempt"] == 1
+    assert event["work_kept_s"] > 0
+    assert abs(event["work_kept_s"] - saved) < 0.01, (event, saved)
+    assert abs(event["work_lost_s"] - (event["ran_s"] - event["work_kept_s"])) < 0.01
+    assert of(found, after, topics.JOB_STARTED), found
+    assert not of(found, after, topics.PLACEMENT_REFUSED)
+
+
+async def test_without_a_signal_only_periodic_checkpoints_keep_work(
+    service_env: dict[str, Any],
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    periodic, bare = f"{run}-periodic", f"{run}-bare"
+    bootstrap = service_env["kafka_bootstrap"]
+    every = {"sim_checkpoint_every_s": "120", "sim_checkpoint_s": "10"}
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return run in env["payload"].get("job_id", "")
+
+    async with running(create_app(settings_for(service_env))):
+        await produce(
+            bootstrap,
+            topics.PLACEMENT_DECIDED,
+            [gang(periodic, [node(21)], labels=every), gang(bare, [node(22)])],
+        )
+        await collect(bootstrap, LIFECYCLE, mine, count=2)
+        await asyncio.sleep(1.0)  # ~600 fleet seconds: four or five periodic checkpoints
+        await produce(
+            bootstrap, topics.JOB_PREEMPT_ORDERED, [preempt_order(periodic), preempt_order(bare)]
+        )
+        found = await collect(bootstrap, LIFECYCLE, mine, count=4)
+
+    (kept,) = of(found, periodic, topics.JOB_PREEMPTED)
+    assert kept["work_kept_s"] >= 480 and kept["work_kept_s"] % 120 == 0, kept
+    # What is lost is at most one interval plus the checkpoint being written.
+    assert 0 <= kept["work_lost_s"] < 130
+    (lost,) = of(found, bare, topics.JOB_PREEMPTED)
+    assert lost["work_kept_s"] == 0 and lost["work_lost_s"] == lost["ran_s"] > 0
+
+
+async def test_orders_for_another_attempt_do_nothing(service_env: dict[str, Any]) -> None:
+    run = uuid.uuid4().hex[:8]
+    job = f"{run}-job"
+    bootstrap = service_env["kafka_bootstrap"]
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return bool(env["payload"].get("job_id") == job)
+
+    async with running(create_app(settings_for(service_env))):
+        await produce(bootstrap, topics.PLACEMENT_DECIDED, [gang(job, [node(23)], attempt=2)])
+        await collect(bootstrap, LIFECYCLE, mine, count=1)
+        await produce(bootstrap, topics.JOB_CHECKPOINT_REQUESTED, [checkpoint_order(job, 1)])
+        # Same key, same partition: the stale order is read before the valid one.
+        await produce(
+            bootstrap,
+            topics.JOB_PREEMPT_ORDERED,
+            [preempt_order(job, 1, for_job="stale"), preempt_order(job, 2, for_job="valid")],
+        )
+        await collect(bootstrap, LIFECYCLE, mine, count=2)
+        # Another order for the attempt that is gone now: nothing more either.
+        await produce(bootstrap, topics.JOB_PREEMPT_ORDERED, [preempt_order(job, 2, "late")])
+        found = await collect(bootstrap, LIFECYCLE, mine, count=3, timeout_s=3)
+
+    (event,) = of(found, job, topics.JOB_PREEMPTED)
+    assert event["attempt"] == 2 and event["for_job"] == "valid", found
+    assert event["work_kept_s"] == 0  # the stale checkpoint signal saved nothing
+
+
+async def test_job_failures_are_run_failures_and_retried_attempts_can_succeed(
+    service_env: dict[str, Any],
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    broken, flaky, hungry = (f"{run}-{n}" for n in ("broken", "flaky", "hungry"))
+    bootstrap = service_env["kafka_bootstrap"]
+    short = {"sim_duration_s": "600"}  # one wall second
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return run in env["payload"].get("job_id", "")
+
+    async with running(create_app(settings_for(service_env))):
+        await produce(
+            bootstrap,
+            topics.PLACEMENT_DECIDED,
+            [
+                gang(broken, [node(24)], labels={**short, "sim_outcome": "failed"}),
+                gang(flaky, [node(25)], labels={**short, "sim_fail_attempts": "1"}),
+                gang(
+                    hungry,
+                    [node(26), node(27)],
+                    memory_gb=64,
+                    labels={"sim_duration_s": "6000", "sim_memory_gb": "96"},
+                ),
+            ],
+        )
+        await collect(bootstrap, LIFECYCLE, mine, count=6)  # 3 started, 3 failed
+        # The queue would retry the flaky job: its second attempt succeeds.
+        await produce(
+            bootstrap, topics.PLACEMENT_DECIDED, [gang(flaky, [node(25)], attempt=2, labels=short)]
+        )
+        found = await collect(bootstrap, LIFECYCLE, mine, count=8)
+
+    (failed,) = of(found, broken, topics.JOB_RUN_FAILED)
+    assert failed["reason_code"] == "application_error" and failed["exit_code"] == 1
+    assert abs(failed["ran_s"] - 600) < 1
+    assert not of(found, broken, topics.JOB_FINISHED)
+
+    (first,) = of(found, flaky, topics.JOB_RUN_FAILED)
+    assert first["attempt"] == 1 and first["reason_code"] == "application_error"
+    (done,) = of(found, flaky, topics.JOB_FINISHED)
+    assert done["attempt"] == 2 and done["outcome"] == "succeeded"
+
+    (oom,) = of(found, hungry, topics.JOB_RUN_FAILED)
+    assert oom["reason_code"] == "out_of_memory" and oom["exit_code"] == 137
+    assert "96 GB" in oom["message"] and "64 GB" in oom["message"], oom
+    assert abs(oom["ran_s"] - 600) < 1  # a tenth of its 6000 s
+
+
+async def test_progress_shows_the_replica_on_a_slowed_node(service_env: dict[str, Any]) -> None:
+    run = uuid.uuid4().hex[:8]
+    job, solo = f"{run}-gang", f"{run}-solo"
+    bootstrap = service_env["kafka_bootstrap"]
+    app = create_app(settings_for(service_env, progress_interval_s=0.2))
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return run in env["payload"].get("job_id", "")
+
+    async with running(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://executor") as client:
+            r = await client.post("/faults/slow", json={"node_id": node(29), "factor": 3})
+            assert r.status_code == 202, r.text
+            assert (await client.get("/faults")).json()["slow"] == {node(29): 3}
+            missing = await client.post("/faults/slow", json={"node_id": "nope", "factor": 2})
+            assert missing.status_code == 404
+        await produce(
+            bootstrap,
+            topics.PLACEMENT_DECIDED,
+            [
+                gang(job, [node(28), node(29)], labels={"sim_step_s": "2"}),
+                gang(solo, [node(30)]),
+            ],
+        )
+        found = await collect(bootstrap, (topics.JOB_PROGRESS,), mine, count=4)
+        await produce(
+            bootstrap, topics.JOB_PREEMPT_ORDERED, [preempt_order(job), preempt_order(solo)]
+        )
+        await collect(bootstrap, (topics.JOB_PREEMPTED,), mine, count=2)
+
+    assert {env["payload"]["job_id"] for _, env in found} == {job}  # one replica: no report
+    for _, env in found:
+        steps = {r["node_id"]: r["step_time_s"] for r in env["payload"]["replicas"]}
+        assert 1.9 < steps[node(28)] < 2.1, steps
+        assert 2.8 < steps[node(29)] / steps[node(28)] < 3.2, steps

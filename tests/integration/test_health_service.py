@@ -1,6 +1,7 @@
 """The health service on the real broker and PostgreSQL: a critical XID, a flapping node,
-silence (one node and a whole cluster), recovery after the clean period, and a restart that
-neither re-alerts nor forgets a quarantine. Timings are seconds here, minutes in production."""
+silence (one node and a whole cluster), recovery after the clean period, a restart that
+neither re-alerts nor forgets a quarantine, and stragglers found in job.progress. Timings are
+seconds here, minutes in production."""
 
 from __future__ import annotations
 
@@ -9,24 +10,30 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
+import yaml
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from fastapi import FastAPI
 
 from schemas import topics
 from schemas.envelope import Envelope
 from services.health.app import create_app
+from services.health.intake import TOPICS
 from services.health.settings import HealthSettings
-from tests.integration.conftest import running
+from tests.integration.conftest import ROOT, running
 from tests.integration.kafka_tools import collect, produce
 
 OUT = (topics.NODE_UNHEALTHY, topics.NODE_RECOVERED, topics.ALERT_RAISED)
 BEAT_EVERY_S = 0.25
 
 
-def settings(env: dict[str, Any]) -> HealthSettings:
+def settings(env: dict[str, Any], **overrides: Any) -> HealthSettings:
     return HealthSettings(
-        **env,
+        **{**env, **overrides},
         suspect_after_s=1.0,
         unhealthy_after_s=2.0,
         min_quarantine_s=0.5,
@@ -173,3 +180,178 @@ async def test_silence_quarantines_one_alert_per_dark_cluster_and_recovers_on_re
     assert alerts == [(cluster, None), (solo, solo)]
     assert len(got[topics.NODE_UNHEALTHY]) == 4
     assert sorted(r["node_id"] for r in got[topics.NODE_RECOVERED]) == sorted({solo, *dark})
+
+
+STRAGGLE = (1.0, 1.05, 3.0, 0.98)  # replica 2 runs 3x slower than its peers
+STEADY = (1.0, 1.1, 0.95, 1.02)
+
+
+def progress(job: str, nodes: str, steps: tuple[float, ...]) -> tuple[str, bytes]:
+    """A JobProgress of `job` whose replica i runs on `<nodes>-<i>`, keyed by job like the
+    executor's."""
+    replicas = [
+        {"replica": i, "node_id": f"{nodes}-{i}", "step_time_s": s} for i, s in enumerate(steps)
+    ]
+    return job, envelope("JobProgress", job_id=job, attempt=1, cluster=nodes, replicas=replicas)
+
+
+async def report_progress(
+    bootstrap: str, reports: int, *gangs: tuple[str, str, tuple[float, ...]]
+) -> None:
+    """`reports` rounds of progress for every gang, a little apart (each has its own time)."""
+    for _ in range(reports):
+        await produce(bootstrap, topics.JOB_PROGRESS, [progress(*g) for g in gangs])
+        await asyncio.sleep(0.05)
+
+
+async def metrics_of(app: FastAPI) -> dict[str, float]:
+    """The app's /metrics, as `name{labels}` -> value."""
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://health") as client:
+        text = (await client.get("/metrics")).text
+    return {
+        name: float(value)
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+        for name, value in [line.rsplit(" ", 1)]
+    }
+
+
+async def group_at_end(bootstrap: str, group: str) -> None:
+    """Commit `group`'s offsets at the current end of the health service's input topics, so a
+    service in that group starts with what comes next, not with the shared broker's history
+    (earlier tests' progress reports: the executor's slowed node straggles there)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        await consumer.topics()  # the topics' metadata, for their partitions
+        parts = [
+            TopicPartition(t, p) for t in TOPICS for p in consumer.partitions_for_topic(t) or ()
+        ]
+        consumer.assign(parts)
+        await consumer.commit(await consumer.end_offsets(parts))
+    finally:
+        await consumer.stop()
+
+
+async def until(probe: Callable[[], Any], expected: Any, timeout_s: float = 15.0) -> Any:
+    """Poll `probe` until it returns `expected` (or time is up); returns its last value."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        got = await probe()
+        if got == expected or asyncio.get_running_loop().time() > deadline:
+            return got
+        await asyncio.sleep(0.1)
+
+
+async def test_a_straggler_raises_one_alert_across_reports_and_a_restart_and_a_steady_gang_none(
+    service_env: dict[str, Any], fresh_database_url: str
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    bootstrap = service_env["kafka_bootstrap"]
+    # The gauges below count the whole service: it gets a database and a consumer group of its
+    # own (starting at the topics' end), so only this test's gangs are in them.
+    env = {**service_env, "database_url": fresh_database_url, "group_id": f"health-{run}"}
+    await group_at_end(bootstrap, env["group_id"])
+    slow_job, steady_job, half_job = f"js{run}", f"jh{run}", f"jw{run}"
+    gangs = ((slow_job, f"g{run}", STRAGGLE), (steady_job, f"h{run}", STEADY))
+    half = (half_job, f"w{run}", STRAGGLE)  # slow twice before the restart, once after
+    conn = await asyncpg.connect(env["database_url"])
+
+    async def incident_count() -> Any:
+        return await conn.fetchval(
+            "SELECT count FROM health.incidents WHERE subject = $1 AND closed_at IS NULL",
+            f"g{run}-2",
+        )
+
+    async def half_window() -> Any:
+        nodes = await conn.fetchval(
+            "SELECT nodes FROM health.straggler_tracks WHERE job_id = $1", half_job
+        )
+        return None if nodes is None else json.loads(nodes)[2]["recent"]
+
+    try:
+        async with running(create_app(settings(env))) as app:
+            await asyncio.sleep(0.5)
+            # A broken report first, on the same partition as the good ones that follow.
+            bad = progress(slow_job, f"g{run}", (1.0, -1.0))
+            await produce(bootstrap, topics.JOB_PROGRESS, [bad])
+            await report_progress(bootstrap, 8, *gangs)
+            first = await collect(
+                bootstrap, (topics.ALERT_RAISED, topics.DEAD_LETTER), about(run), 2, 10
+            )
+            # It stays slow: more reports count on the incident, never a second alert.
+            await report_progress(bootstrap, 8, *gangs)
+            assert await until(incident_count, 16) == 16
+            scrape = await metrics_of(app)
+            assert scrape['qm_health_straggler_incidents_total{event="opened"}'] == 1
+            assert scrape["qm_health_stragglers_detected_total"] == 1
+            assert scrape["qm_health_straggling_nodes"] == 1
+            assert scrape['qm_health_progress_reports_total{outcome="judged"}'] >= 32
+            await report_progress(bootstrap, 2, half)
+            assert await until(half_window, "11") == "11"
+        # A restart remembers the open incident (no second alert) and the half-filled window
+        # (the third slow report after it alerts).
+        async with running(create_app(settings(env))):
+            await report_progress(bootstrap, 1, half)
+            await report_progress(bootstrap, 8, *gangs)
+            assert await until(incident_count, 24) == 24
+            assert await until(half_window, "111") == "111"
+            await asyncio.sleep(0.5)
+        tracks = {
+            r["job_id"]: json.loads(r["nodes"])
+            for r in await conn.fetch(
+                "SELECT job_id, nodes FROM health.straggler_tracks WHERE job_id = ANY($1)",
+                [slow_job, steady_job],
+            )
+        }
+    finally:
+        await conn.close()
+    got = await collect(bootstrap, (*OUT, topics.DEAD_LETTER), about(run), count=99, timeout_s=2)
+    alerts = [env["payload"] for topic, env in got if topic == topics.ALERT_RAISED]
+    dead = [env["payload"] for topic, env in got if topic == topics.DEAD_LETTER]
+    assert len([t for t, _ in first if t == topics.ALERT_RAISED]) == 1
+    # One for the whole incident: not per report, not after the restart; none for the steady.
+    assert sorted(a["subject"] for a in alerts) == [f"g{run}-2", f"w{run}-2"]
+    alert = next(a for a in alerts if a["subject"] == f"g{run}-2")
+    assert (alert["subject"], alert["node_id"], alert["cluster"]) == (
+        f"g{run}-2",
+        f"g{run}-2",
+        f"g{run}",
+    )
+    assert (alert["cause"], alert["severity"], alert["count"]) == ("straggler", "warning", 3)
+    assert f"job {slow_job}'s replica 2 3.0x slower" in alert["suggested_action"]
+    [letter] = dead
+    assert letter["source_topic"] == topics.JOB_PROGRESS
+    assert letter["error"].startswith("replicas.1.step_time_s")
+    assert [t for t, _ in got if t in (topics.NODE_UNHEALTHY, topics.NODE_RECOVERED)] == []
+    straggling = {
+        job: [w["node_id"] for w in windows if w["straggling"]] for job, windows in tracks.items()
+    }
+    assert straggling == {slow_job: [f"g{run}-2"], steady_job: []}
+
+
+async def test_with_quarantine_on_a_straggler_is_also_taken_out(
+    service_env: dict[str, Any], tmp_path: Path
+) -> None:
+    run = uuid.uuid4().hex[:8]
+    bootstrap = service_env["kafka_bootstrap"]
+    doc = yaml.safe_load((ROOT / "examples" / "health.yaml").read_text())
+    doc["straggler"]["quarantine"] = True
+    rules = tmp_path / "health.yaml"
+    rules.write_text(yaml.safe_dump(doc))
+    async with running(create_app(settings(service_env, health_file=rules))):
+        await asyncio.sleep(0.5)
+        await report_progress(bootstrap, 6, (f"jq{run}", f"q{run}", STRAGGLE))
+        first = kinds(await collect(bootstrap, OUT, about(run), count=2, timeout_s=10))
+        await report_progress(bootstrap, 4, (f"jq{run}", f"q{run}", STRAGGLE))
+        await asyncio.sleep(1.0)
+    got = kinds(await collect(bootstrap, OUT, about(run), count=99, timeout_s=2))
+    [sick] = first[topics.NODE_UNHEALTHY]
+    assert (sick["node_id"], sick["cause"]) == (f"q{run}-2", "straggler")
+    assert "3.0x slower" in sick["signals"][0]
+    [alert] = got[topics.ALERT_RAISED]
+    assert alert["alert_id"] == sick["incident_id"] and alert["cause"] == "straggler"
+    assert len(got[topics.NODE_UNHEALTHY]) == 1

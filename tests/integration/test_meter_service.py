@@ -2,7 +2,8 @@
 cancel, a preemption and a node failure ending runs on job.preempted, a refused placement, the
 queue's bookkeeping finish, events delivered twice) meters exactly the true accelerator-seconds
 and cost, in the ledger, on the usage.tick stream and through GET /v1/usage; budgets cross
-their thresholds once each; idle capacity is reported."""
+their thresholds once each; idle capacity is reported; a failed run (job.run.failed) is
+metered to its end and its retry on its own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import yaml
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 
 from schemas import topics
+from schemas.events import RunFailed
 from schemas.usage import BudgetExceeded
 from services.common.db import create_pool
 from services.gateway.auth import Principal, Role
@@ -36,11 +39,13 @@ from tests.unit.meter.scenario import (
     capacity,
     cents,
     ended,
+    envelope,
     finished,
     ledger_by_run,
     placement,
     refused,
     send,
+    started,
     until_closed,
 )
 
@@ -374,3 +379,64 @@ async def test_idle_capacity_is_reported_as_overhead(
             assert idle[k]["cost"] == Decimal("0.280000")
     finally:
         await pool.close()
+
+
+async def test_a_failed_run_is_metered_to_its_end_and_its_retry_on_its_own(
+    service_env: dict[str, Any], producer: AIOKafkaProducer, budgets_file: Path
+) -> None:
+    """job.run.failed closes the run (outcome failed) exactly like job.preempted; the queue's
+    retry is attempt 2, metered separately. A redelivered failure changes nothing."""
+    tag = uuid.uuid4().hex[:6]
+    failed = RunSpec(
+        f"{tag}-retry", f"vision-{tag}", "p", "onprem-h100", "H100", 1, 8, "300.5", "failed"
+    )
+    retry = RunSpec(
+        f"{tag}-retry",
+        f"vision-{tag}",
+        "p",
+        "onprem-h100",
+        "H100",
+        1,
+        8,
+        "120",
+        attempt=2,
+        first_node=1,
+    )
+    failure = RunFailed(
+        job_id=failed.job_id,
+        attempt=1,
+        cluster=failed.cluster,
+        reason_code="application_error",
+        message="the job's process exited with code 1",
+        exit_code=1,
+        ran_s=float(failed.ran_s),
+    )
+    app = create_app(settings_for(service_env, budgets_file))
+    pool = await create_pool(service_env["database_url"])
+    try:
+        async with running(app):
+            at = datetime.now(UTC)
+            await send(producer, placement(failed), started(failed, at))
+            await asyncio.sleep(float(failed.ran_s) / SCALE)
+            value = envelope("RunFailed", failure, "executor/onprem-h100", failed.tenant)
+            for _ in range(2):  # delivered twice
+                await producer.send_and_wait(
+                    topics.JOB_RUN_FAILED,
+                    value.model_dump_json().encode(),
+                    key=failed.job_id.encode(),
+                )
+            await Drive(producer, SCALE).all([retry])
+            await until_closed(pool, [failed, retry])
+            await asyncio.sleep(0.5)
+            by_run = await ledger_by_run(pool, [failed.job_id])
+            outcomes = await pool.fetch(
+                "SELECT run_id, outcome FROM meter.usage WHERE job_id = $1 AND kind = 'close'",
+                failed.job_id,
+            )
+    finally:
+        await pool.close()
+    assert_exact([failed, retry], by_run)
+    assert {r["run_id"]: r["outcome"] for r in outcomes} == {
+        f"{failed.job_id}#1": "failed",
+        f"{failed.job_id}#2": "succeeded",
+    }

@@ -31,8 +31,10 @@ def test_one_executor_per_cluster_of_the_fleet(tmp_path: Path) -> None:
         "gateway",
         "queue",
         "scheduler",
+        "preemptor",
         "health",
         "meter",
+        "scheduler-standby",
         "executor-a",
         "executor-b_c",
     ]
@@ -218,7 +220,7 @@ def test_stack_starts_records_and_stops_everything(
     try:
         record = json.loads((tmp_path / "st" / "stack.json").read_text())
         assert record["ready"] and record["token"] == "dev-vision"
-        assert len(record["services"]) == 5 + len(cluster_names(EXAMPLES / "fleet.yaml"))
+        assert len(record["services"]) == 7 + len(cluster_names(EXAMPLES / "fleet.yaml"))
         assert {s["name"]: s["how"] for s in record["servers"]}["postgres"] == "env"
         assert stack.alive()
     finally:

@@ -1,9 +1,13 @@
-"""Readable builders for the health tests: a rule set with short timings, probes, a clock."""
+"""Readable builders for the health tests: a rule set with short timings, probes, progress
+reports of a gang, a clock."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from schemas.health import Severity, SignalKind
 from services.health.book import (
@@ -18,7 +22,9 @@ from services.health.book import (
     probes_seen,
 )
 from services.health.machine import NodeState
-from services.health.rules import HealthRules, Rule, Timings
+from services.health.pace import Progress, ReplicaStep
+from services.health.rules import HealthRules, Rule, StragglerRules, Timings
+from services.health.stragglers import expired, progress_seen
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -64,6 +70,26 @@ def probe(
     return Seen(node, cluster_of(node), kind, xid, None, "", at(t))
 
 
+def gang(
+    job: str,
+    t: float,
+    *steps: float,
+    nodes: Sequence[str] | None = None,
+    attempt: int = 1,
+    cluster: str = "g",
+) -> Progress:
+    """A progress report of `job` at `t`: replica i ran `steps[i]` s per step on `nodes[i]`
+    (default `<cluster>-<i>`)."""
+    on = list(nodes) if nodes is not None else [f"{cluster}-{i}" for i in range(len(steps))]
+    replicas = tuple(ReplicaStep(i, n, s) for i, (n, s) in enumerate(zip(on, steps, strict=True)))
+    return Progress(job, attempt, cluster, replicas, at(t))
+
+
+def with_straggler(**overrides: Any) -> HealthRules:
+    """The test rules with some straggler settings replaced."""
+    return replace(RULES, straggler=replace(StragglerRules(), **overrides))
+
+
 def beat(node: str, t: float) -> Beat:
     return Beat(node, cluster_of(node), at(t))
 
@@ -104,7 +130,25 @@ class Fleet:
     def check(self, now: float) -> Changes:
         d = self._draft()
         check(d, at(now), self.watch_from)
+        expired(d, at(now), self.watch_from)
         return self._apply(d)
+
+    def progress(self, now: float, *reports: Progress) -> Changes:
+        d = self._draft()
+        progress_seen(d, reports, at(now))
+        return self._apply(d)
+
+    def reports(
+        self,
+        job: str,
+        times: Iterable[float],
+        *steps: float,
+        nodes: Sequence[str] | None = None,
+        attempt: int = 1,
+    ) -> None:
+        """The same step times reported at each of `times` (each report judged at its time)."""
+        for t in times:
+            self.progress(t, gang(job, t, *steps, nodes=nodes, attempt=attempt))
 
     def state(self, node: str) -> NodeState:
         return self.book.nodes[node].state

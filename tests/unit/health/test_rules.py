@@ -77,3 +77,55 @@ def test_severity_defaults_to_warning() -> None:
         {"rules": [{"name": "t", "kind": "thermal_throttle", "threshold": 2, "window_s": 10}]}
     )
     assert rules.rules[0].severity == Severity.WARNING
+
+
+def test_the_example_straggler_section_is_the_defaults() -> None:
+    s = example().straggler
+    assert (s.slowdown, s.n, s.m, s.quarantine, s.severity) == (1.5, 3, 5, False, Severity.WARNING)
+    assert s.action_for("gpu-7", "job-1", 2, 2.8) == (
+        "Node gpu-7 runs job job-1's replica 2 2.8x slower than its peers; "
+        "drain it after the job checkpoints, and check thermal and PCIe."
+    )
+
+
+def test_without_a_straggler_section_the_defaults_apply() -> None:
+    s = HealthRules.from_dict({}).straggler
+    assert (s.slowdown, s.n, s.m, s.quarantine, s.expire_after_s) == (1.5, 3, 5, False, 60.0)
+
+
+def test_a_straggler_quarantine_uses_its_own_clean_period() -> None:
+    rules = HealthRules.from_dict({"straggler": {"quarantine": True, "clean_period_s": 900}})
+    assert rules.straggler.quarantine and rules.clean_period_for("straggler") == 900
+    assert HealthRules.from_dict({}).clean_period_for("straggler") == 120
+
+
+@pytest.mark.parametrize(
+    ("section", "says"),
+    [
+        ({"slowdown": 1.0}, "slowdown must be > 1"),
+        ({"slowdown": "fast"}, "slowdown must be a number"),
+        ({"slowdown": True}, "slowdown must be a number"),
+        ({"n": 6, "m": 5}, "need 1 <= n <= m"),
+        ({"n": 0}, "need 1 <= n <= m"),
+        ({"m": 1000, "n": 3}, "need 1 <= n <= m <= 100"),
+        ({"n": 2.5}, "n must be a whole number"),
+        ({"m": True}, "m must be a whole number"),
+        ({"quarantine": "no"}, "quarantine must be true or false"),
+        ({"expire_after_s": 0}, "expire_after_s must be > 0"),
+        ({"severity": "loud"}, "severity"),
+        ({"suggested_action": "drain {host}"}, "bad placeholder"),
+        ({"slowdwon": 2}, "unknown key(s) ['slowdwon']"),
+        ([1, 2], "expected a mapping"),
+    ],
+)
+def test_a_bad_straggler_section_is_refused_with_a_clear_error(section: object, says: str) -> None:
+    with pytest.raises(ValueError, match=r"^straggler: ") as err:
+        HealthRules.from_dict({"straggler": section})
+    assert says in str(err.value)
+
+
+def test_no_rule_may_take_the_straggler_name() -> None:
+    with pytest.raises(ValueError, match="straggler"):
+        HealthRules.from_dict(
+            {"rules": [{"name": "straggler", "kind": "gpu_xid", "critical": True}]}
+        )

@@ -1,5 +1,6 @@
 """Reading raw records into the meter's facts: ends from executors are measurements, the
-queue's zero-second bookkeeping is not, job.preempted ends a run, bad input is dead-lettered."""
+queue's zero-second bookkeeping is not, job.preempted and job.run.failed end a run, bad input
+is dead-lettered."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 from aiokafka import ConsumerRecord
 
 from schemas import topics
-from services.meter.intake import read_batch
+from schemas.events import RunFailed
+from services.meter.intake import TOPICS, read_batch
 from services.meter.runs import Finished
-from tests.unit.meter.scenario import RunSpec, finished, preempted
+from tests.unit.meter.scenario import RunSpec, envelope, finished, preempted
 
 
 def record(topic: str, value: bytes, offset: int = 0) -> ConsumerRecord[Any, Any]:
@@ -50,3 +52,37 @@ def test_unreadable_records_are_dead_lettered_with_the_reason() -> None:
     assert facts == []
     assert [d.envelope.payload["consumer"] for d in dead] == ["meter", "meter"]
     assert "outcome" in dead[1].envelope.payload["error"]
+
+
+def test_a_failed_run_ends_its_metering_whether_or_not_the_job_is_retried() -> None:
+    """job.run.failed closes the run like job.preempted does, with outcome failed; the
+    retry (if any) is another attempt, metered on its own."""
+    failure = RunFailed(
+        job_id="j",
+        attempt=2,
+        cluster="onprem-h100",
+        reason_code="out_of_memory",
+        message="OOM-killed",
+        ran_s=42.5,
+    )
+    unmeasured = failure.model_copy(update={"ran_s": 0.0})
+    records = (
+        record(
+            topics.JOB_RUN_FAILED,
+            envelope("RunFailed", failure, "executor/onprem-h100", "vision")
+            .model_dump_json()
+            .encode(),
+            0,
+        ),
+        record(
+            topics.JOB_RUN_FAILED,
+            envelope("RunFailed", unmeasured, "replayer", "vision").model_dump_json().encode(),
+            1,
+        ),
+    )
+    facts, dead = read_batch(records)
+    assert topics.JOB_RUN_FAILED in TOPICS and dead == []
+    assert [f for _, f in facts] == [
+        Finished("j", 2, 42_500_000, "failed", True),
+        Finished("j", 2, 0, "failed", False),
+    ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from aiokafka import ConsumerRecord
+
 from schemas import topics
 from schemas.events import (
     JobCancelRequested,
@@ -14,9 +16,10 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
     ReplicaAssignment,
+    RunFailed,
 )
 from schemas.job import JobState
-from services.queue.intake import LifecycleEvent, NewJob
+from services.queue.intake import LIFECYCLE_TOPICS, LifecycleEvent, NewJob, read_batch
 from services.queue.lifecycle import JobRecord
 from services.queue.planning import plan_batch
 from tests.unit.services.builders import T0, event, policy, spec, submission
@@ -237,3 +240,15 @@ def test_the_end_of_a_run_already_requeued_does_not_end_the_job() -> None:
         [preempted("j1"), finished], records, {}, policy(), specs={"j1": spec(job_id="j1")}
     )
     assert plan.updates["j1"].state is JobState.QUEUED
+
+
+def test_the_queue_reads_run_failures_from_their_topic() -> None:
+    failure = RunFailed(
+        job_id="j1", attempt=1, cluster="c1", reason_code="out_of_memory", message="OOM"
+    )
+    value = event("RunFailed", failure).model_dump_json().encode()
+    raw = ConsumerRecord(topics.JOB_RUN_FAILED, 0, 0, 0, 0, None, value, None, 0, len(value), ())
+    items, dead = read_batch((raw,))
+    assert topics.JOB_RUN_FAILED in LIFECYCLE_TOPICS and dead == []
+    [item] = items
+    assert isinstance(item, LifecycleEvent) and item.payload == failure
