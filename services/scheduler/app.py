@@ -73,7 +73,8 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
                 state.dirty = True  # a backoff or a protection ran out
             if state.dirty or now - last_cycle >= settings.idle_cycle_s:
                 assert lease.epoch is not None
-                await cycle.run_once(lease.epoch)
+                await cycle.run_once(lease.epoch, still_leading=lease.renew)
+                last_renew = time.monotonic()
                 last_cycle = now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), settings.cycle_interval_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -77,6 +77,11 @@ class SchedulerMetrics:
         )
         self.leader = Gauge(
             "qm_scheduler_is_leader", "1 while this process leads", registry=registry
+        )
+        self.dropped = Counter(
+            "qm_scheduler_cycles_dropped_total",
+            "Cycles decided after the lease was lost, and not published",
+            registry=registry,
         )
         self.preemptions = Counter(
             "qm_scheduler_preemptions_requested_total",
@@ -176,8 +181,18 @@ class Cycle:
             self.policy.fair_share.half_life_s,
         )
 
-    async def run_once(self, epoch: int, now: float | None = None) -> int:
-        """One cycle at wall-clock time `now`; the core decides in fleet time."""
+    async def run_once(
+        self,
+        epoch: int,
+        now: float | None = None,
+        still_leading: Callable[[], Awaitable[bool]] | None = None,
+    ) -> int:
+        """One cycle at wall-clock time `now`; the core decides in fleet time.
+
+        `still_leading` is asked after deciding and before anything is applied or published: a
+        long cycle can outlast the lease, and a deposed leader's decisions must not go out
+        next to its successor's (executors fence old epochs only once they have seen the new
+        one). Nothing of a dropped cycle touches the state."""
         state = self.state
         now = time.time() if now is None else now
         with self.metrics.cycle.time():
@@ -186,6 +201,11 @@ class Cycle:
             snapshot = replace(state.snapshot(now), usage=self.usage)
             policy = self._policy_for(now)
             result = schedule(snapshot, policy, state.fleet_time(now), self.rng)
+        if still_leading is not None and not await still_leading():
+            log.warning("lost the lease during a cycle; its decisions are dropped")
+            self.metrics.dropped.inc()
+            return 0
+        with self.metrics.cycle.time():
             out = [self._placement(alloc, epoch, now) for alloc in result.placements]
             placed = len(out)
             for decision in result.preemptions:

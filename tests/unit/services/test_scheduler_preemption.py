@@ -245,3 +245,25 @@ def test_a_replayed_request_marks_its_victim_leaving_only_for_that_run() -> None
     assert state.snapshot(NOW).preempting == frozenset({"low-a"})
     # Fleet time: the allocation started 2 wall seconds ago, 1200 fleet seconds.
     assert state.running["low-a"].start_time == pytest.approx((NOW - 2) * SCALE)  # type: ignore[index]
+
+
+async def test_a_cycle_that_outlasts_the_lease_publishes_and_applies_nothing(
+    broker: tuple[KafkaBroker, Published],
+) -> None:
+    kafka, seen = broker
+    state = SchedulerState(time_scale=SCALE)
+    state.on_capacity(capacity(1))
+    state.on_queued(queued("j1"))
+    decide = cycle(state, kafka)
+
+    async def deposed() -> bool:
+        return False
+
+    assert await decide.run_once(epoch=1, now=NOW, still_leading=deposed) == 0
+    assert seen == [] and list(state.pending) == ["j1"] and state.running == {}
+
+    async def leading() -> bool:
+        return True
+
+    assert await decide.run_once(epoch=2, now=NOW, still_leading=leading) == 1
+    assert [p["epoch"] for p in of(seen, topics.PLACEMENT_DECIDED)] == [2]
