@@ -1,6 +1,7 @@
 """Chaos: submit jobs at a steady rate while the queue, scheduler, preemptor, executors and
-health service are killed (-9) and restarted at seeded random moments; then audit what the log
-says happened.
+health service are killed (-9) and restarted at seeded random moments, and the leading
+scheduler is frozen (SIGSTOP) for longer than its lease and then let go on; then audit what the
+log says happened.
 
 The mix keeps every failure path busy: long low-priority runs fill the H100 cluster and
 critical H100 gangs preempt them (checkpoint, grace, stop, requeue); some jobs fail once and
@@ -10,7 +11,7 @@ Prints, per the BENCH.md keys: jobs, terminal_once (jobs with exactly one termin
 lost (none), duplicate_effects (a run started, preempted or ordered to stop twice, a job ended
 twice), double_allocations (a node holding more than it has, rebuilt from the executors' own
 events), wrong_outcome (a job that ended other than its labels say it must), preemptions,
-retries and kills.
+retries, kills and leader freezes.
 
     python bench/chaos.py                   # 40 jobs/s for 60 s, a kill every ~6 s
     python bench/chaos.py --rate 100 --seconds 120
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -27,6 +29,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -38,7 +41,7 @@ from aiokafka import AIOKafkaProducer
 
 from bench.machine import describe
 from cli import infra
-from cli.stack import PROJECT_ROOT, Stack
+from cli.stack import PROJECT_ROOT, Service, Stack
 from core.fleet import load_fleet
 from schemas import topics
 from schemas.envelope import Envelope
@@ -118,20 +121,58 @@ async def submit(
     return ids
 
 
+FREEZE = "freeze the leading scheduler"
+
+
+def leading_scheduler(stack: Stack) -> Service | None:
+    """The scheduler process that reports itself leader on its /metrics, if one does."""
+    for service in stack.services:
+        if service.module != "services.scheduler":
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{service.port}/metrics", timeout=2) as r:
+                if "qm_scheduler_is_leader 1.0" in r.read().decode():
+                    return service
+        except OSError:
+            continue
+    return None
+
+
 async def kill_loop(
-    stack: Stack, rng: random.Random, every_s: float, until: float, kills: list[str]
+    stack: Stack,
+    rng: random.Random,
+    every_s: float,
+    until: float,
+    kills: list[str],
+    freezes: list[str],
+    freeze_share: int = 1,
 ) -> None:
-    # Round robin over a seeded shuffle: every kind of service dies within len(victims) kills.
-    victims = [s for s in stack.services if s.module in VICTIMS]
+    """Round robin over a seeded shuffle of the victims and one more fault: the leading
+    scheduler stopped (SIGSTOP) for longer than its lease, then let go on (SIGCONT), as a
+    process stalled by load would be; the standby takes over while the old leader may be in
+    the middle of publishing a cycle."""
+    victims: list[Service | str] = [s for s in stack.services if s.module in VICTIMS]
+    victims.extend([FREEZE] * freeze_share)
     rng.shuffle(victims)
+    faults = 0
     while time.monotonic() < until:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
-        service = victims[len(kills) % len(victims)]
-        assert service.pid is not None
-        os.kill(service.pid, signal.SIGKILL)
-        kills.append(service.name)
+        victim = victims[faults % len(victims)]
+        faults += 1
+        if isinstance(victim, str):
+            leader = await asyncio.to_thread(leading_scheduler, stack)
+            if leader is None or leader.pid is None:
+                continue
+            os.kill(leader.pid, signal.SIGSTOP)
+            freezes.append(leader.name)
+            await asyncio.sleep(rng.uniform(4.0, 6.0))  # the lease lasts 3 s
+            os.kill(leader.pid, signal.SIGCONT)
+            continue
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        kills.append(victim.name)
         await asyncio.sleep(rng.uniform(0.2, 2.0))
-        await asyncio.to_thread(stack.restart, service)
+        await asyncio.to_thread(stack.restart, victim)
 
 
 # Topics where one (job, attempt) may have one effect only (distinct event ids).
@@ -210,6 +251,7 @@ def forensics(
             lines.append(
                 f"{env['occurred_at'][11:23]} {topic} by {env.get('producer')} attempt "
                 f"{p.get('attempt')} {p.get('outcome') or p.get('reason_code') or ''} "
+                f"{'epoch ' + str(p['epoch']) + ' ' if 'epoch' in p else ''}"
                 f"{[r['node_id'] for r in p.get('replicas', [])] or p.get('nodes') or ''}"
             )
         out[job_id] = lines
@@ -226,19 +268,32 @@ def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
     _, nodes = load_fleet(
         read_yaml(PROJECT_ROOT / "examples" / "fleet.yaml"), policy.accelerator_types
     )
-    placements = {
-        (e["payload"]["job_id"], e["payload"]["attempt"]): e["payload"]
-        for t, e in events
-        if t == topics.PLACEMENT_DECIDED
-    }
+    # Two leaders may have placed one attempt (the deposed one's copy is refused by the
+    # executor): a run's devices are those of the copy whose nodes it started on.
+    placements: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for t, e in events:
+        if t == topics.PLACEMENT_DECIDED and e["type"] != topics.LEADER_FENCE:
+            p = e["payload"]
+            placements[(p["job_id"], p["attempt"], p["cluster"])].append(p)
+    runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for t, e in events:
+        p = e["payload"]
+        if t != topics.JOB_STARTED:
+            continue
+        key = (p["job_id"], p["attempt"], p["cluster"])
+        if copies := placements.get(key):
+            ran = [c for c in copies if {r["node_id"] for r in c["replicas"]} == set(p["nodes"])]
+            runs[key] = (ran or copies)[0]["replicas"]
     timeline = []
     for topic, env in events:
         p = env["payload"]
-        run = placements.get((p["job_id"], p.get("attempt")))
-        if run is None or topic not in RUN_EDGES:
+        if topic not in RUN_EDGES or p.get("attempt") is None or p.get("cluster") is None:
+            continue
+        replicas = runs.get((p["job_id"], p["attempt"], p["cluster"]))
+        if replicas is None:
             continue
         sign = 1 if topic == topics.JOB_STARTED else -1
-        for rep in run["replicas"]:
+        for rep in replicas:
             timeline.append(
                 (env["occurred_at"], sign > 0, sign * rep["accelerators"], rep["node_id"])
             )
@@ -254,26 +309,61 @@ def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
 async def run(stack: Stack, bootstrap: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     kills: list[str] = []
+    freezes: list[str] = []
     until = time.monotonic() + args.seconds
     killer = asyncio.create_task(
-        kill_loop(stack, random.Random(args.seed + 1), args.kill_every, until, kills)
+        kill_loop(
+            stack,
+            random.Random(args.seed + 1),
+            args.kill_every,
+            until,
+            kills,
+            freezes,
+            args.freeze_share,
+        )
     )
     run_id = f"{args.seed}-{uuid.uuid4().hex[:6]}"  # ids unique across runs on one database
     expected = await submit(bootstrap, rng, args.rate, args.seconds, run_id)
     await killer
-    print(f"submitted {len(expected)} jobs; {len(kills)} kills: {', '.join(kills)}")
+    print(
+        f"submitted {len(expected)} jobs; {len(kills)} kills: {', '.join(kills)}; "
+        f"{len(freezes)} leader freezes: {', '.join(freezes)}"
+    )
     figures = await audit(bootstrap, expected, args.drain_s)
-    return {"jobs": len(expected), **figures, "kills": len(kills), "killed": kills}
+    return {
+        "jobs": len(expected),
+        **figures,
+        "kills": len(kills),
+        "killed": kills,
+        "leader_freezes": len(freezes),
+    }
 
 
 def chaos(
-    rate: float, seconds: float, kill_every: float, seed: int, drain_s: float
+    rate: float,
+    seconds: float,
+    kill_every: float,
+    seed: int,
+    drain_s: float,
+    keep: Path | None = None,
+    freeze_share: int = 1,
 ) -> dict[str, Any]:
-    """Start a stack of its own (600x time), run the chaos and return the audited figures."""
+    """Start a stack of its own (600x time), run the chaos and return the audited figures.
+    With `keep`, the stack's state (service logs under `logs/`) stays there to read after."""
     args = argparse.Namespace(
-        rate=rate, seconds=seconds, kill_every=kill_every, seed=seed, drain_s=drain_s
+        rate=rate,
+        seconds=seconds,
+        kill_every=kill_every,
+        seed=seed,
+        drain_s=drain_s,
+        freeze_share=freeze_share,
     )
-    with tempfile.TemporaryDirectory(prefix="qm-chaos-") as tmp:
+    with contextlib.ExitStack() as scope:
+        if keep is None:
+            tmp = scope.enter_context(tempfile.TemporaryDirectory(prefix="qm-chaos-"))
+        else:
+            keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(keep)
         kafka = infra.start_kafka(Path(tmp) / "kafka")
         try:
             stack = Stack.start(
@@ -300,7 +390,8 @@ def summary(figures: dict[str, Any]) -> str:
         f"over-committed nodes {figures['double_allocations']}, wrong outcome "
         f"{figures['wrong_outcome']}; preemptions {figures['preemptions']} (checkpoints "
         f"{figures['checkpoints']}), failed runs retried or ended {figures['retries']}; "
-        f"kills {figures['kills']} ({', '.join(sorted(set(figures['killed'])))})"
+        f"kills {figures['kills']} ({', '.join(sorted(set(figures['killed'])))}); "
+        f"leader freezes {figures['leader_freezes']}"
     )
 
 
@@ -313,8 +404,23 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, default=6.0)
     parser.add_argument("--drain-s", type=float, default=240.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--keep", type=Path, help="keep the stack's state and logs here")
+    parser.add_argument(
+        "--freeze-share",
+        type=int,
+        default=1,
+        help="leader freezes per round of kills (1: one freeze per kill of each service)",
+    )
     args = parser.parse_args()
-    figures = chaos(args.rate, args.seconds, args.kill_every, args.seed, args.drain_s)
+    figures = chaos(
+        args.rate,
+        args.seconds,
+        args.kill_every,
+        args.seed,
+        args.drain_s,
+        args.keep,
+        args.freeze_share,
+    )
     print(summary(figures))
     for job_id, lines in figures.pop("samples").items():
         print(f"  {job_id}:", *lines, sep="\n    ")
@@ -330,6 +436,7 @@ def main() -> None:
                     "seconds": args.seconds,
                     "kill_every_s": args.kill_every,
                     "seed": args.seed,
+                    "freeze_share": args.freeze_share,
                 },
             }
         )

@@ -75,8 +75,10 @@ class Observer:
             now = time.perf_counter()
             for records in batches.values():
                 for r in records:
-                    job_id = json.loads(r.value)["payload"]["job_id"]
-                    self.placed.setdefault(job_id, now)
+                    env = json.loads(r.value)
+                    if env["type"] == topics.LEADER_FENCE:
+                        continue  # a new scheduler leader's fence, no placement
+                    self.placed.setdefault(env["payload"]["job_id"], now)
 
     async def stop(self) -> None:
         if self._task:

@@ -191,6 +191,20 @@ class PreemptionRequested(Payload):
     leader: str
 
 
+class LeaderFence(Payload):
+    """A control record, not a decision: a new scheduler leader writes one to every partition of
+    `placement.decided` and `preemption.requested` before it reads to the end and decides.
+
+    A deposed leader can still be publishing when its lease runs out (a slow or stalled
+    process). Whatever it wrote before the fence on a partition, the new leader reads before its
+    first decision; whatever it wrote after, every consumer that honours epochs refuses, because
+    on that partition it has already seen the higher epoch. Consumers with nothing to fence skip
+    these records (their envelope type is `LeaderFence`)."""
+
+    epoch: int = Field(description="The new leader's lease epoch.")
+    leader: str
+
+
 class PreemptionCanceled(Payload):
     """The preemptor did not (or no longer will) preempt this run, and why (key: the victim)."""
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas.envelope import Envelope
-from schemas.topics import TOPICS, Topic
+from schemas.events import LeaderFence
+from schemas.topics import FENCED_TOPICS, LEADER_FENCE, TOPICS, Topic
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "schemas"
 
@@ -35,6 +36,19 @@ def documents() -> dict[str, dict[str, Any]]:
     docs["envelope.json"] = envelope
     channels: dict[str, Any] = {}
     messages: dict[str, Any] = {}
+    fence = LeaderFence.model_json_schema(mode="validation")
+    fence["$id"] = "leader-fence.json"
+    fence["description"] = (
+        f"Payload of `{LEADER_FENCE}` on {', '.join(FENCED_TOPICS)} (every partition). "
+        + fence.get("description", "")
+    )
+    docs["leader-fence.json"] = fence
+    messages[LEADER_FENCE] = {
+        "name": LEADER_FENCE,
+        "summary": "A new scheduler leader's epoch, on every partition, before its first decision.",
+        "contentType": "application/json",
+        "payload": {"$ref": "leader-fence.json"},
+    }
     for topic in TOPICS:
         schema = _schema_of(topic)
         if schema is not None:
@@ -49,7 +63,13 @@ def documents() -> dict[str, dict[str, Any]]:
             "address": topic.name,
             "description": f"{topic.description} Partition key: {topic.key}; "
             f"{topic.partitions} partitions by default.",
-            "messages": {topic.event_type: {"$ref": f"#/components/messages/{topic.event_type}"}},
+            "messages": {
+                t: {"$ref": f"#/components/messages/{t}"}
+                for t in (
+                    topic.event_type,
+                    *([LEADER_FENCE] if topic.name in FENCED_TOPICS else []),
+                )
+            },
         }
     docs["asyncapi.json"] = {
         "asyncapi": "3.0.0",

@@ -20,6 +20,10 @@ class Topic:
     description: str
 
 
+# The control record a new scheduler leader writes to every partition of FENCED_TOPICS
+# (events.LeaderFence); consumers that do not fence skip it by its envelope type.
+LEADER_FENCE = "LeaderFence"
+
 JOB_SUBMITTED = "job.submitted"
 JOB_CANCEL_REQUESTED = "job.cancel.requested"
 JOB_QUEUED = "job.queued"
@@ -263,3 +267,6 @@ TOPICS: tuple[Topic, ...] = (
 
 BY_NAME: dict[str, Topic] = {t.name: t for t in TOPICS}
 BY_EVENT_TYPE: dict[str, Topic] = {t.event_type: t for t in TOPICS}
+
+# Where the scheduler leader decides: a new leader fences each of their partitions.
+FENCED_TOPICS: tuple[str, ...] = (PLACEMENT_DECIDED, PREEMPTION_REQUESTED)

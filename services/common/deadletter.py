@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from schemas import topics
 from schemas.envelope import Envelope
-from schemas.events import DeadLetter
+from schemas.events import DeadLetter, LeaderFence
 from schemas.registry import upcast
 from schemas.validation import describe_validation_error
 from services.common.kafka import OutMessage, decode_key, envelope_for
@@ -46,14 +46,24 @@ def dead_letter(
 
 
 def decode_envelopes(
-    records: tuple[ConsumerRecord[Any, Any], ...], *, consumer: str
+    records: tuple[ConsumerRecord[Any, Any], ...],
+    *,
+    consumer: str,
+    fences: list[LeaderFence] | None = None,
 ) -> tuple[list[Received], list[OutMessage]]:
-    """Split a batch into decoded envelopes and dead letters for the rest."""
+    """Split a batch into decoded envelopes and dead letters for the rest.
+
+    A scheduler leader's fence (a control record on the topics it decides on) is no event to
+    act on: it goes to `fences` for a consumer that honours leader epochs, else it is skipped."""
     good: list[Received] = []
     dead: list[OutMessage] = []
     for record in records:
         try:
             envelope = upcast(Envelope.model_validate_json(record.value or b""))
+            if envelope.type == topics.LEADER_FENCE:
+                if fences is not None:
+                    fences.append(LeaderFence.model_validate(envelope.payload))
+                continue
         except ValidationError as exc:
             dead.append(dead_letter(record, describe_validation_error(exc), consumer=consumer))
             continue

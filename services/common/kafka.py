@@ -25,12 +25,14 @@ MAX_PRODUCER_BATCH = 1 << 20
 
 @dataclass(frozen=True)
 class OutMessage:
-    """One message to publish: the topic, the partition key and the envelope."""
+    """One message to publish: the topic, the partition key and the envelope; `partition`
+    only where a message must go to one partition whatever its key (a leader's fence)."""
 
     topic: str
     key: str
     envelope: Envelope
     headers: tuple[tuple[str, str], ...] = ()
+    partition: int | None = None
 
     def encode(self) -> bytes:
         return self.envelope.model_dump_json(exclude_none=True).encode()
@@ -76,6 +78,7 @@ async def publish_all(broker: KafkaBroker, messages: Iterable[OutMessage]) -> in
             msg.topic,
             key=msg.key.encode(),
             headers={"type": msg.envelope.type, **dict(msg.headers)},
+            partition=msg.partition,
             no_confirm=True,
         )
         if inspect.isawaitable(fut):  # the in-memory test broker returns none

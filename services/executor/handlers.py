@@ -21,6 +21,7 @@ from schemas.events import (
     JobPreemptOrdered,
     JobStarted,
     JobStopOrdered,
+    LeaderFence,
     Outcome,
     PlacementDecided,
     PlacementRefused,
@@ -107,7 +108,8 @@ class Executor:
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
         records = tuple(r for r in records if not self._for_another_cluster(r))
-        received, dead = decode_envelopes(records, consumer=self.producer)
+        fences: list[LeaderFence] = []
+        received, dead = decode_envelopes(records, consumer=self.producer, fences=fences)
         mine: list[tuple[Envelope, Any]] = []
         for got in received:
             try:
@@ -116,20 +118,23 @@ class Executor:
                     mine.append((got.envelope, item))
             except ValidationError as exc:
                 dead.append(dead_letter(got.record, str(exc), consumer=self.producer))
-        if not mine and not dead:
+        fence = max((f.epoch for f in fences), default=0)
+        if not mine and not dead and fence <= self.epoch:
             return
         # One change at a time: a run that ends by its clock must not also be stopped,
         # preempted, checkpointed or handed back by a batch processed meanwhile.
         async with self._changing:
             try:
-                staged = await self._commit(mine, dead)
+                staged = await self._commit(mine, dead, fence)
             except Exception:
                 # Memory may be ahead of the store: rebuild it from the store, then redeliver.
                 await self._reload()
                 raise
         self.relay.committed(staged)
 
-    async def _commit(self, items: list[tuple[Envelope, Any]], dead: list[OutMessage]) -> Staged:
+    async def _commit(
+        self, items: list[tuple[Envelope, Any]], dead: list[OutMessage], fence: int
+    ) -> Staged:
         async with self.store.pool.acquire() as conn, conn.transaction():
             fresh = await claim_events(conn, self.store.schema, [e.event_id for e, _ in items])
             out = list(dead)
@@ -138,6 +143,10 @@ class Executor:
             tombs: list[str] = []
             checkpointed: list[RunningJob] = []
             epoch_before = self.epoch
+            # A new leader's fence: from here on its predecessors' placements are stale. (Within
+            # a batch the fence counts first; what was before it on its partition the new leader
+            # has read, so at worst a placement it knows of is refused and placed again.)
+            self.epoch = max(self.epoch, fence)
             for env, item in items:
                 if env.event_id not in fresh:
                     continue
@@ -187,7 +196,7 @@ class Executor:
                 "stale_epoch",
                 f"decided by leader epoch {p.epoch}; epoch {self.epoch} leads now",
             )
-        self.epoch = p.epoch
+        self.epoch = max(self.epoch, p.epoch)
         if p.job_id in self.tombstones:
             return self._refuse(env, p, "canceled", "the job was canceled before it started")
         if p.job_id in self.running:

@@ -17,6 +17,7 @@ from schemas.events import (
     JobFinished,
     JobPreempted,
     JobStarted,
+    LeaderFence,
     PlacementDecided,
     PreemptionRequested,
     RunFailed,
@@ -62,7 +63,7 @@ class Batch:
     requests: list[Incoming] = field(default_factory=list)
     facts: dict[str, JobFacts] = field(default_factory=dict)  # merged per job
     ends: list[RunEnd] = field(default_factory=list)
-    epoch: int = 0  # highest leader epoch among the placements
+    epoch: int = 0  # highest leader epoch among the placements and fences
     dead: list[OutMessage] = field(default_factory=list)
 
     def add_fact(self, fact: JobFacts) -> None:
@@ -96,7 +97,10 @@ def to_request(event_id: str, occurred_at: datetime, p: PreemptionRequested) -> 
 
 def read_batch(records: tuple[ConsumerRecord[Any, Any], ...]) -> Batch:
     batch = Batch()
-    received, batch.dead = decode_envelopes(records, consumer=CONSUMER)
+    fences: list[LeaderFence] = []
+    received, batch.dead = decode_envelopes(records, consumer=CONSUMER, fences=fences)
+    # A new scheduler leader's fence raises the epoch as its placements would.
+    batch.epoch = max((f.epoch for f in fences), default=0)
     for got in received:
         try:
             payload = PAYLOADS[got.record.topic].model_validate(got.envelope.payload)

@@ -13,16 +13,25 @@ import structlog
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from services.common.kafka import make_broker
+from schemas.topics import FENCED_TOPICS
+from services.common.kafka import make_broker, publish_all
 from services.common.lease import RedisLease
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
 from services.scheduler.feed import Feed
-from services.scheduler.handlers import FEED_TOPICS, Cycle, SchedulerMetrics, apply_records
+from services.scheduler.handlers import (
+    FEED_TOPICS,
+    Cycle,
+    SchedulerMetrics,
+    apply_records,
+    fence_messages,
+)
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
 
 NAME = "scheduler"
+# A new leader that has not read its own fences by then gives the lease up and tries again.
+TAKE_OVER_TIMEOUT_S = 60.0
 log = structlog.get_logger()
 
 
@@ -46,35 +55,78 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
     redis = Redis.from_url(settings.redis_url)
     lease = RedisLease(redis, settings.lease_name, holder, settings.lease_ttl_ms)
 
+    async def take_over(epoch: int) -> bool:
+        """Fence the topics we decide on, then read everything before the fences (and to the
+        end of the others): a deposed leader still publishing cannot slip a decision past us,
+        because what it wrote before a fence we read now and what it writes after one is
+        refused downstream (LeaderFence). The lease is renewed meanwhile; False if it is lost."""
+        fenced = feed.partitions_of(FENCED_TOPICS)
+
+        async def fence_and_read() -> None:
+            await publish_all(broker, fence_messages(epoch, holder, fenced))
+            await feed.catch_up()
+            while not state.fenced(fenced, epoch):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+
+        work = asyncio.create_task(fence_and_read())
+        try:
+            async with asyncio.timeout(TAKE_OVER_TIMEOUT_S):
+                while not work.done():
+                    await asyncio.wait({work}, timeout=settings.lease_ttl_ms / 3000)
+                    if not work.done() and not await lease.renew():
+                        return False
+            work.result()
+            return True
+        finally:
+            work.cancel()
+
     async def lead() -> None:
         """Hold or wait for the lease; decide only while holding it and caught up."""
         await feed.caught_up.wait()
+        if lease.held:  # restarted after a crash: take over afresh, fences and all
+            await lease.release()
         renew_every = settings.lease_ttl_ms / 3000
         last_renew = 0.0
         last_cycle = 0.0
+
+        async def still_leading() -> bool:
+            nonlocal last_renew
+            if not await lease.renew():
+                return False
+            last_renew = time.monotonic()
+            return True
+
         while True:
             now = time.monotonic()
+            if lease.held and state.newest_fence() > (lease.epoch or 0):
+                log.warning("a newer leader has fenced us; standing by", epoch=lease.epoch)
+                await lease.release()
             if not lease.held:
                 metrics.leader.set(0)
                 if not await lease.try_acquire():
                     await asyncio.sleep(renew_every)
                     continue
-                await feed.catch_up()
-                log.info("became leader", epoch=lease.epoch)
-                state.dirty = True
-                last_renew = now
-            elif now - last_renew >= renew_every:
-                if not await lease.renew():
-                    log.warning("lost the lease; standing by")
+                epoch = lease.epoch
+                assert epoch is not None
+                try:
+                    taken = await take_over(epoch)
+                except BaseException:
+                    await lease.release()
+                    raise
+                if not taken or not await still_leading():
+                    log.warning("lost the lease while taking over; standing by", epoch=epoch)
                     continue
-                last_renew = now
+                log.info("became leader", epoch=epoch, records=feed.records)
+                state.dirty = True
+            elif now - last_renew >= renew_every and not await still_leading():
+                log.warning("lost the lease; standing by")
+                continue
             metrics.leader.set(1)
             if state.wake_due(time.time()):
                 state.dirty = True  # a backoff or a protection ran out
             if state.dirty or now - last_cycle >= settings.idle_cycle_s:
                 assert lease.epoch is not None
-                await cycle.run_once(lease.epoch, still_leading=lease.renew)
-                last_renew = time.monotonic()
+                await cycle.run_once(lease.epoch, still_leading=still_leading)
                 last_cycle = now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), settings.cycle_interval_s)

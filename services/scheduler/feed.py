@@ -63,6 +63,13 @@ class Feed:
         self._targets = dict(await self._consumer.end_offsets(partitions))
         await self._check_caught_up()
 
+    def partitions_of(self, topics: tuple[str, ...]) -> list[tuple[str, int]]:
+        """(topic, partition) of every partition of `topics` we read."""
+        assert self._consumer is not None
+        return sorted(
+            (tp.topic, tp.partition) for tp in self._consumer.assignment() if tp.topic in topics
+        )
+
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()

@@ -29,6 +29,7 @@ from schemas.events import (
     JobFinished,
     JobPreempted,
     JobQueued,
+    LeaderFence,
     PendingExplained,
     PlacementDecided,
     PlacementRefused,
@@ -83,6 +84,11 @@ class SchedulerMetrics:
             "Cycles decided after the lease was lost, and not published",
             registry=registry,
         )
+        self.publish = Histogram(
+            "qm_scheduler_publish_seconds",
+            "From the lease renewal that let a cycle go out until the broker had all of it",
+            registry=registry,
+        )
         self.preemptions = Counter(
             "qm_scheduler_preemptions_requested_total",
             "Victims asked to yield",
@@ -98,14 +104,17 @@ def apply_records(
     for record in records:
         try:
             env = Envelope.model_validate_json(record.value or b"")
-            _apply(state, record.topic, env)
+            _apply(state, record, env)
         except (ValidationError, ValueError):
             metrics.skipped.inc()
             log.warning("skipping unreadable record", topic=record.topic, offset=record.offset)
 
 
-def _apply(state: SchedulerState, topic: str, env: Envelope) -> None:
-    if topic == topics.JOB_QUEUED:
+def _apply(state: SchedulerState, record: ConsumerRecord[Any, Any], env: Envelope) -> None:
+    topic = record.topic
+    if env.type == topics.LEADER_FENCE:
+        state.on_fence(topic, record.partition, LeaderFence.model_validate(env.payload).epoch)
+    elif topic == topics.JOB_QUEUED:
         state.on_queued(JobQueued.model_validate(env.payload))
     elif topic == topics.PLACEMENT_DECIDED:
         state.on_placed(PlacementDecided.model_validate(env.payload), env.occurred_at.timestamp())
@@ -131,6 +140,20 @@ def _apply(state: SchedulerState, topic: str, env: Envelope) -> None:
         state.on_node_health(NodeUnhealthy.model_validate(env.payload).node_id, healthy=False)
     elif topic == topics.NODE_RECOVERED:
         state.on_node_health(NodeRecovered.model_validate(env.payload).node_id, healthy=True)
+
+
+def fence_messages(epoch: int, leader: str, partitions: list[tuple[str, int]]) -> list[OutMessage]:
+    """A new leader's fence, one per partition of the topics it decides on (see LeaderFence)."""
+    fence = LeaderFence(epoch=epoch, leader=leader)
+    return [
+        OutMessage(
+            topic,
+            f"fence-{epoch}",
+            envelope_for(topics.LEADER_FENCE, fence, producer=PRODUCER),
+            partition=partition,
+        )
+        for topic, partition in partitions
+    ]
 
 
 class Cycle:
@@ -205,6 +228,7 @@ class Cycle:
             log.warning("lost the lease during a cycle; its decisions are dropped")
             self.metrics.dropped.inc()
             return 0
+        renewed = time.monotonic()
         with self.metrics.cycle.time():
             out = [self._placement(alloc, epoch, now) for alloc in result.placements]
             placed = len(out)
@@ -215,6 +239,10 @@ class Cycle:
             out.extend(self._explanations(pending, now))
         if out:
             await publish_all(self.broker, out)
+            took = time.monotonic() - renewed
+            self.metrics.publish.observe(took)
+            if took > 1.0:
+                log.warning("slow publish", seconds=round(took, 3), messages=len(out), epoch=epoch)
         self.metrics.placed.inc(placed)
         self.metrics.pending.set(len(state.pending))
         self.metrics.running.set(len(state.running))

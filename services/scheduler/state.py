@@ -37,12 +37,23 @@ class SchedulerState:
     queued: dict[JobId, JobQueued] = field(default_factory=dict)
     attempts: dict[JobId, int] = field(default_factory=dict)
     running_attempt: dict[JobId, int] = field(default_factory=dict)
+    # The leader epoch of each running placement: two leaders can place the same attempt (a
+    # deposed one still publishing), and an executor's refusal names the epoch it refused.
+    running_epoch: dict[JobId, int] = field(default_factory=dict)
+    # Placements read before their job.queued (topics are not ordered with each other, e.g. on
+    # a replay): applied when the job.queued arrives, so the job is not placed a second time.
+    early: dict[JobId, tuple[PlacementDecided, float]] = field(default_factory=dict)
+    # Highest leader fence read per (topic, partition): a new leader decides only once it has
+    # read its own fence on every partition of the topics it decides on.
+    fences: dict[tuple[str, int], int] = field(default_factory=dict)
     finished: OrderedDict[JobId, None] = field(default_factory=OrderedDict)
     # Quarantined by the health service; kept apart from the inventory, which may be re-sent.
     unhealthy: set[NodeId] = field(default_factory=set)
-    # Highest attempt whose run is over (refused, preempted, requeued): a placement of it read
+    # Highest attempt whose run is over (preempted, failed, requeued): a placement of it read
     # late (topics are not ordered with each other) must not take capacity again.
     closed: dict[JobId, int] = field(default_factory=dict)
+    # Placements (attempt, epoch) an executor refused: read late, they take no capacity.
+    refused: dict[JobId, set[tuple[int, int]]] = field(default_factory=dict)
     # (tenant, 'YYYY-MM') -> fair-share weight factor, from budgets in deprioritize mode.
     deprioritized: dict[tuple[str, str], float] = field(default_factory=dict)
     # Victims asked to yield (preemption.requested) whose run has not ended: victim ->
@@ -155,25 +166,46 @@ class SchedulerState:
         else:
             self.held.pop(job_id, None)
         self.dirty = True
+        early = self.early.pop(job_id, None)
+        if early is not None:
+            self.on_placed(*early)
 
     def on_placed(self, event: PlacementDecided, at: float) -> None:
         """A placement, ours or a previous leader's, decided at wall time `at`; applying it
         twice changes nothing."""
         job_id = JobId(event.job_id)
         self.attempts[job_id] = max(self.attempts.get(job_id, 0), event.attempt)
-        if job_id in self.finished or event.attempt <= self.closed.get(job_id, 0):
+        if (
+            job_id in self.finished
+            or event.attempt <= self.closed.get(job_id, 0)
+            or (event.attempt, event.epoch) in self.refused.get(job_id, ())
+        ):
             return
-        if self.running_attempt.get(job_id, -1) >= event.attempt:
+        held = self.running_attempt.get(job_id, -1)
+        if held > event.attempt:
+            return
+        if held == event.attempt:
+            if event.epoch > self.running_epoch.get(job_id, 0):
+                # A newer leader placed the same attempt: it never read this copy, so this copy
+                # came after its fence and executors refuse it. The newer one is the run.
+                job = self.running[job_id].job
+                self.running[job_id] = allocation_from_event(event, job, self.fleet_time(at))
+                self.running_epoch[job_id] = event.epoch
             return
         queued = self.queued.get(job_id)
         request = self.pending.pop(job_id, None) or (
             job_request(queued, self.time_scale) if queued is not None else None
         )
         if request is None:
-            return  # placement seen before its job.queued; the queued event will bring it
+            # Seen before its job.queued: kept, and applied when that arrives.
+            known = self.early.get(job_id)
+            if known is None or known[0].attempt < event.attempt:
+                self.early[job_id] = (event, at)
+            return
         self.held.pop(job_id, None)
         self.running[job_id] = allocation_from_event(event, request, self.fleet_time(at))
         self.running_attempt[job_id] = event.attempt
+        self.running_epoch[job_id] = event.epoch
 
     def on_preempted(self, event: JobPreempted | RunFailed) -> None:
         """The platform ended a run, or it failed; the queue decides what happens next
@@ -189,6 +221,7 @@ class SchedulerState:
     def _free(self, job_id: JobId) -> None:
         self.running.pop(job_id, None)
         self.running_attempt.pop(job_id, None)
+        self.running_epoch.pop(job_id, None)
         self.preempting.pop(job_id, None)
         self.protected.pop(job_id, None)
         self.dirty = True
@@ -210,12 +243,18 @@ class SchedulerState:
         self.dirty = True
 
     def on_refused(self, event: PlacementRefused) -> None:
+        """An executor would not run this placement. It voids that placement only (attempt and
+        epoch): two leaders can place one attempt, and the other copy may be the run."""
         job_id = JobId(event.job_id)
-        self._close(job_id, event.attempt)
-        if self.running_attempt.get(job_id) != event.attempt:
-            return
+        self.refused.setdefault(job_id, set()).add((event.attempt, event.epoch))
+        if (
+            self.running_attempt.get(job_id) != event.attempt
+            or self.running_epoch.get(job_id) != event.epoch
+        ):
+            return  # read before its placement (which is then skipped), or another copy's
         alloc = self.running.pop(job_id)
         del self.running_attempt[job_id]
+        self.running_epoch.pop(job_id, None)
         self.preempting.pop(job_id, None)
         if job_id not in self.finished:
             self.pending[job_id] = alloc.job
@@ -229,6 +268,7 @@ class SchedulerState:
         ):
             return  # the end of an older run, or of one already ended and requeued
         self.closed.pop(job_id, None)
+        self.refused.pop(job_id, None)
         self.pending.pop(job_id, None)
         self.queued.pop(job_id, None)
         self.attempts.pop(job_id, None)
@@ -237,11 +277,24 @@ class SchedulerState:
         self.protected.pop(job_id, None)
         freed = self.running.pop(job_id, None)
         self.running_attempt.pop(job_id, None)
+        self.running_epoch.pop(job_id, None)
+        self.early.pop(job_id, None)
         self.finished[job_id] = None
         if len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
         if freed is not None:
             self.dirty = True
+
+    def on_fence(self, topic: str, partition: int, epoch: int) -> None:
+        key = (topic, partition)
+        self.fences[key] = max(self.fences.get(key, 0), epoch)
+
+    def newest_fence(self) -> int:
+        return max(self.fences.values(), default=0)
+
+    def fenced(self, partitions: list[tuple[str, int]], epoch: int) -> bool:
+        """Whether a fence of `epoch` (or a newer one) has been read on all `partitions`."""
+        return all(self.fences.get(p, 0) >= epoch for p in partitions)
 
     def next_attempt(self, job_id: JobId) -> int:
         return self.attempts.get(job_id, 0) + 1

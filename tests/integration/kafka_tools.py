@@ -72,6 +72,8 @@ class LogReader:
         self.bootstrap = bootstrap
         self.topics = topics
         self.events: list[tuple[str, dict[str, Any]]] = []
+        # The same envelopes with where they are: (topic, partition, offset, envelope).
+        self.located: list[tuple[str, int, int, dict[str, Any]]] = []
         self._seen: set[str] = set()
         self._consumer: AIOKafkaConsumer | None = None
 
@@ -128,4 +130,5 @@ class LogReader:
                         continue
                     self._seen.add(env["event_id"])
                     self.events.append((tp.topic, env))
+                    self.located.append((tp.topic, tp.partition, r.offset, env))
         return self.events

@@ -13,6 +13,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+from aiokafka import AIOKafkaProducer
 
 from schemas import topics
 from schemas.envelope import Envelope
@@ -117,6 +118,64 @@ async def test_placements_refusals_fencing_and_restart(service_env: dict[str, An
     assert outcome[j["big"]] == [(topics.PLACEMENT_REFUSED, "would_overcommit")]
     refusal = next(env["payload"] for topic, env in first if env["payload"]["job_id"] == j["b"])
     assert "2 whole H100 free of 8" in refusal["message"]
+
+
+async def fence_every_partition(bootstrap: str, topic: str, epoch: int) -> None:
+    """What a new scheduler leader writes before it decides (schemas.events.LeaderFence)."""
+    env = Envelope(type="LeaderFence", payload={"epoch": epoch, "leader": "new"})
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        partitions = await producer.partitions_for(topic)
+        sent = [
+            await producer.send(topic, env.model_dump_json().encode(), partition=p)
+            for p in sorted(partitions)
+        ]
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+
+
+async def test_a_leader_fence_refuses_the_deposed_leaders_later_placements(
+    service_env: dict[str, Any],
+) -> None:
+    """A deposed leader still publishing after its successor fenced the topic: its placements
+    are refused although the executor has seen no placement of the new epoch. Its own cluster
+    (a fresh fence); every executor and the preemptor read the fence, so it stays below the
+    epochs the other tests use (EPOCH below, the preemptor's 100)."""
+    cluster, node = "cloud-a100", "cloud-a100-a100-0003"
+    base = EPOCH - 3
+    run = uuid.uuid4().hex[:8]
+    settings = ExecutorSettings(**service_env, executor_cluster=cluster, time_scale=1.0)
+    bootstrap = service_env["kafka_bootstrap"]
+
+    def at(job: str, epoch: int) -> tuple[str, bytes]:
+        _, value = placement(f"{run}-{job}", 1, epoch=epoch, node=node)
+        env = json.loads(value)
+        env["payload"]["cluster"] = cluster
+        env["payload"]["accelerator_type"] = "A100"
+        return "fenced", json.dumps(env).encode()
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return run in json.dumps(env["payload"])
+
+    async with running(create_app(settings)):
+        await produce(bootstrap, topics.PLACEMENT_DECIDED, [at("before", base)])
+        await collect(bootstrap, OUT, mine, count=1)
+        await fence_every_partition(bootstrap, topics.PLACEMENT_DECIDED, base + 2)
+        await produce(
+            bootstrap, topics.PLACEMENT_DECIDED, [at("late", base + 1), at("new", base + 2)]
+        )
+        found = await collect(bootstrap, OUT, mine, count=3)
+    outcome = {
+        env["payload"]["job_id"].removeprefix(f"{run}-"): (topic, env["payload"].get("reason_code"))
+        for topic, env in found
+    }
+    assert outcome == {
+        "before": (topics.JOB_STARTED, None),
+        "late": (topics.PLACEMENT_REFUSED, "stale_epoch"),
+        "new": (topics.JOB_STARTED, None),
+    }, outcome
 
 
 # Preemption, checkpoints, run failures and progress run at the e2e tests' time scale: one

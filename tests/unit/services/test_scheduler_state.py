@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
@@ -47,11 +49,11 @@ def queued(job_id: str) -> JobQueued:
     return JobQueued(job_id=job_id, spec=spec(job_id=job_id), submitted_at=T0)
 
 
-def placed(job_id: str, attempt: int = 1) -> PlacementDecided:
+def placed(job_id: str, attempt: int = 1, epoch: int = 1) -> PlacementDecided:
     return PlacementDecided(
         job_id=job_id,
         attempt=attempt,
-        epoch=1,
+        epoch=epoch,
         leader="x",
         cluster="c1",
         accelerator_type="H100",
@@ -215,3 +217,93 @@ def test_the_end_of_an_older_run_frees_nothing() -> None:
     state.on_placed(placed("j1", attempt=2), 1.0)
     state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
     assert list(state.running) == ["j1"]
+
+
+def refused(job_id: str, attempt: int, epoch: int) -> PlacementRefused:
+    return PlacementRefused(
+        job_id=job_id,
+        attempt=attempt,
+        epoch=epoch,
+        cluster="c1",
+        reason_code="stale_epoch",
+        message="old leader",
+    )
+
+
+def test_a_placement_read_before_its_queued_event_is_applied_when_that_arrives() -> None:
+    """On a replay placement.decided can be read before job.queued; the job is running, not
+    pending, or the new leader would place it a second time."""
+    state = SchedulerState()
+    state.on_placed(placed("j1"), 1.0)
+    assert state.running == {} and state.pending == {}
+    state.on_queued(queued("j1"))
+    assert list(state.running) == ["j1"] and state.pending == {}
+    assert state.running["j1"].start_time == 1.0  # type: ignore[index]
+    assert state.next_attempt("j1") == 2  # type: ignore[arg-type]
+
+
+def test_an_early_placement_of_a_finished_job_is_forgotten() -> None:
+    state = SchedulerState()
+    state.on_placed(placed("j1"), 1.0)
+    state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
+    state.on_queued(queued("j1"))
+    assert state.running == {} and state.pending == {} and state.early == {}
+
+
+def test_refusing_a_deposed_leaders_copy_of_an_attempt_leaves_ours_running() -> None:
+    """A deposed leader (epoch 1) and its successor (epoch 2) both placed attempt 1; the
+    executor refuses the old one for its epoch, and that refusal must not free ours."""
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", epoch=2), 1.0)
+    state.on_placed(placed("j1", epoch=1), 1.5)  # the late one, read after ours
+    state.on_refused(refused("j1", attempt=1, epoch=1))
+    assert list(state.running) == ["j1"] and state.pending == {}
+    state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
+    assert state.running == {} and "j1" in state.finished  # the attempt was not closed
+
+
+@pytest.mark.parametrize("refusal_first", [True, False])
+def test_the_deposed_leader_follows_its_successors_copy_of_an_attempt(
+    refusal_first: bool,
+) -> None:
+    """The deposed leader's own view: it placed attempt 1 (epoch 1), stalled, and its
+    successor placed attempt 1 again (epoch 2) on other nodes. Whichever it reads first, the
+    refusal of its copy or the successor's placement, it ends up holding the successor's run,
+    and that run's end ends the job: it must not place the job again (a second run)."""
+    state = SchedulerState()
+    state.on_capacity(capacity(2))
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", epoch=1), 1.0)
+    successor = placed("j1", epoch=2)
+    successor.replicas[0].node_id = "n1"
+    if refusal_first:
+        state.on_refused(refused("j1", attempt=1, epoch=1))
+        assert list(state.pending) == ["j1"]
+        state.on_placed(successor, 2.0)
+    else:
+        state.on_placed(successor, 2.0)
+        state.on_refused(refused("j1", attempt=1, epoch=1))
+    assert state.pending == {} and state.running_epoch["j1"] == 2  # type: ignore[index]
+    assert state.running["j1"].replicas[0].node_id == "n1"  # type: ignore[index]
+    state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.SUCCEEDED))
+    assert state.running == {} and state.pending == {} and "j1" in state.finished
+
+
+def test_refusing_the_placement_we_hold_frees_it() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", epoch=1), 1.0)  # read in catch-up; the executor then fenced
+    state.on_refused(refused("j1", attempt=1, epoch=1))
+    assert state.running == {} and list(state.pending) == ["j1"]
+    assert state.next_attempt("j1") == 2  # type: ignore[arg-type]
+
+
+def test_fences_count_per_partition() -> None:
+    state = SchedulerState()
+    parts = [("placement.decided", 0), ("placement.decided", 1)]
+    state.on_fence("placement.decided", 0, 3)
+    assert not state.fenced(parts, 3)
+    state.on_fence("placement.decided", 1, 4)  # a newer leader's fence counts too
+    assert state.fenced(parts, 3) and not state.fenced(parts, 4)
+    assert state.newest_fence() == 4
