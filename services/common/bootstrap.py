@@ -4,6 +4,7 @@ their shutdown in the right order (commit, then stop consuming, then close the p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import asyncpg
@@ -11,6 +12,7 @@ from faststream.kafka import KafkaBroker
 
 from services.common.consumer import OffsetCommitter
 from services.common.db import create_pool, migrate
+from services.common.housekeeping import Pruner, start_housekeeping
 from services.common.outbox import OutboxRelay
 from services.common.runtime import Runtime
 
@@ -22,9 +24,11 @@ async def open_outboxed(
     *,
     schema: str,
     migrations: Path,
+    pruners: Mapping[str, tuple[Pruner, float]] | None = None,
 ) -> tuple[asyncpg.Pool, OutboxRelay]:
     """Call from a start-up hook, before the service's own initialisation; start the broker
-    (`await broker.start()`) once that is done."""
+    (`await broker.start()`) once that is done. Housekeeping prunes `processed_events` and
+    whatever `pruners` (table -> pruner, retention in seconds) the service adds."""
     settings = runtime.settings
     pool = await create_pool(settings.database_url, settings.db_pool_size)
     await migrate(pool, schema, migrations)
@@ -33,6 +37,7 @@ async def open_outboxed(
     await relay.flush()  # anything a crash left behind goes out before new work
     runtime.background(relay.run_forever)
     runtime.background(committer.run_forever)
+    start_housekeeping(runtime, pool, schema, pruners)
 
     async def close() -> None:
         await committer.flush()

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from services.common.consumer import OffsetCommitter, Records, consume_batches
 from services.common.db import create_pool
+from services.common.housekeeping import start_housekeeping
 from services.common.kafka import make_broker
 from services.common.outbox import OutboxRelay
 from services.common.policyfile import load_policy, read_yaml
@@ -89,6 +90,7 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
         runtime.background(relay.run_forever)
         runtime.background(committer.run_forever)
         runtime.background(clock)
+        start_housekeeping(runtime, pool, store.SCHEMA)
         await broker.start()
 
         async def close() -> None:

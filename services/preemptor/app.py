@@ -53,12 +53,24 @@ def create_app(settings: PreemptorSettings | None = None) -> FastAPI:
     )
 
     async def timer_loop() -> None:
-        await state["preemptor"].run_timer(settings.timer_interval_s)
+        await state["preemptor"].run_timer(settings.timer_interval_s, settings.answer_check_s)
 
     @runtime.on_startup
     async def start() -> None:
+        # A preemption counts against its tenant's budget for the budget window.
+        keep_s = max(
+            settings.audit_retention_s, limits.wall(limits.budget_window_s).total_seconds()
+        )
         pool, relay = await open_outboxed(
-            runtime, broker, committer, schema=store.SCHEMA, migrations=store.MIGRATIONS
+            runtime,
+            broker,
+            committer,
+            schema=store.SCHEMA,
+            migrations=store.MIGRATIONS,
+            pruners={
+                "preemptor.jobs": (store.prune_job_facts, keep_s),
+                "preemptor.preemptions": (store.prune_preemptions, keep_s),
+            },
         )
         state["preemptor"] = Preemptor(
             pool,
@@ -68,6 +80,7 @@ def create_app(settings: PreemptorSettings | None = None) -> FastAPI:
             metrics,
             clock=utcnow,
             timer_batch=settings.timer_batch,
+            stop_answer_timeout_s=settings.stop_answer_timeout_s,
         )
         runtime.background(timer_loop)
         await broker.start()

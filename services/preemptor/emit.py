@@ -1,11 +1,14 @@
-"""The preemptor's outgoing messages, all keyed by the victim's job id so that an executor sees
-a run's checkpoint request before its stop order."""
+"""The preemptor's outgoing messages, keyed by the victim's job id so that an executor sees a
+run's checkpoint request before its stop order; alerts are keyed by their subject (cluster)."""
 
 from __future__ import annotations
+
+from datetime import datetime
 
 from schemas import topics
 from schemas.envelope import Envelope
 from schemas.events import JobCheckpointRequested, JobPreemptOrdered, PreemptionCanceled
+from schemas.health import AlertRaised, Severity
 from services.common.kafka import OutMessage, envelope_for
 from services.preemptor.guards import Cancel, Order, Request, Signal
 
@@ -54,6 +57,28 @@ def canceled(req: Request, decision: Cancel, cause: Envelope) -> OutMessage:
         message=decision.message,
     )
     return _out(topics.PREEMPTION_CANCELED, "PreemptionCanceled", req, event, cause)
+
+
+def unanswered(req: Request, ordered_at: datetime, waited_s: float) -> OutMessage:
+    """An alert for ops: a stop order no run end has answered (key: the cluster)."""
+    alert = AlertRaised(
+        alert_id=f"stop-unanswered-{req.id}",
+        severity=Severity.WARNING,
+        subject=req.cluster,
+        cluster=req.cluster,
+        cause="stop_order_unanswered",
+        suggested_action=(
+            f"the executor of cluster {req.cluster} has not ended run {req.attempt} of job "
+            f"{req.job_id} {waited_s:.0f} s after it was ordered to stop (to make room for job "
+            f"{req.for_job}, {req.reason_code}); that job waits for the capacity. Check the "
+            f"executor's health and log (`qm ps`, `qm logs executor-{req.cluster}`) and the "
+            f"run's nodes; `qm cancel {req.job_id}` stops the job for good"
+        ),
+        first_seen=ordered_at,
+        count=1,
+    )
+    env = envelope_for("AlertRaised", alert, producer=PRODUCER, tenant=req.tenant)
+    return OutMessage(topics.ALERT_RAISED, req.cluster, env)
 
 
 def _out(

@@ -4,9 +4,10 @@ then write the preemptions and the events they cause in one transaction, then re
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -71,6 +72,11 @@ class PreemptorMetrics:
         self.dead = Counter(
             "qm_preemptor_dead_letters_total", "Records dead-lettered", registry=registry
         )
+        self.unanswered = Counter(
+            "qm_preemptor_stop_orders_unanswered_total",
+            "Stop orders no run end answered within the timeout (each raised an alert)",
+            registry=registry,
+        )
         self.order_delay = Histogram(
             "qm_preemptor_order_delay_seconds",
             "Wall seconds from a preemption's stop_at to its stop order",
@@ -108,6 +114,7 @@ class Preemptor:
         *,
         clock: Clock,
         timer_batch: int = 100,
+        stop_answer_timeout_s: float = 60.0,
     ) -> None:
         self.pool = pool
         self.relay = relay
@@ -116,6 +123,7 @@ class Preemptor:
         self.metrics = metrics
         self.clock = clock
         self.timer_batch = timer_batch
+        self.stop_answer_timeout_s = stop_answer_timeout_s
 
     # --- consuming ------------------------------------------------------------------------
 
@@ -210,10 +218,35 @@ class Preemptor:
         self._report(effects)
         return len(effects.decided)
 
-    async def run_timer(self, interval_s: float) -> None:
+    async def alert_unanswered(self) -> int:
+        """One alert per stop order that no run end has answered within the timeout (the
+        executor may be wedged or gone); returns how many went out."""
+        now = self.clock()
+        before = now - timedelta(seconds=self.stop_answer_timeout_s)
+        async with self.pool.acquire() as conn, conn.transaction():
+            late = await store.claim_unanswered(conn, before, now, self.timer_batch)
+            messages = [emit.unanswered(req, at, (now - at).total_seconds()) for req, at in late]
+            staged = await add_to_outbox(conn, store.SCHEMA, messages)
+        self.relay.committed(staged)
+        for req, at in late:
+            self.metrics.unanswered.inc()
+            log.warning(
+                "stop order unanswered",
+                job_id=req.job_id,
+                attempt=req.attempt,
+                cluster=req.cluster,
+                ordered_at=at.isoformat(),
+            )
+        return len(late)
+
+    async def run_timer(self, interval_s: float, answer_check_s: float = 1.0) -> None:
+        last_check = 0.0
         while True:
             try:
                 changed = await self.tick()
+                if time.monotonic() - last_check >= answer_check_s:
+                    last_check = time.monotonic()
+                    await self.alert_unanswered()
             except Exception:
                 log.warning("preemption timer failed; will retry", exc_info=True)
                 changed = 0

@@ -14,5 +14,13 @@ class PreemptorSettings(ServiceSettings):
     # before it is given up as victim_gone: job.started and preemption.requested are
     # different topics, read in no particular order.
     victim_wait_s: float = 30.0
+    # A stop order that no run end has answered after this long (wall seconds) raises an
+    # alert: the executor may be wedged, and the job the room is for waits.
+    stop_answer_timeout_s: float = 60.0
+    # How often the timer looks for such orders (wall seconds).
+    answer_check_s: float = 1.0
+    # Finished preemptions (the audit record) and the job facts of finished jobs are pruned
+    # after this long (wall seconds); never sooner than the budget window needs them.
+    audit_retention_s: float = 30 * 86400
     # Placements and lifecycle events are the bulk of what is read; requests are rare.
     fetch_max_wait_ms: int = 20

@@ -214,6 +214,25 @@ async def claim_due(conn: asyncpg.Connection, now: datetime, limit: int) -> list
     return [_tracked(r) for r in rows]
 
 
+async def claim_unanswered(
+    conn: asyncpg.Connection, ordered_before: datetime, now: datetime, limit: int
+) -> list[tuple[Request, datetime]]:
+    """Stop orders sent before `ordered_before` that no run end has answered and no alert has
+    named yet: marked alerted (so one alert per preemption, across instances), returned with
+    when each order went out."""
+    rows = await conn.fetch(
+        "UPDATE preemptor.preemptions SET alerted_at = $2 WHERE id IN ("
+        "  SELECT id FROM preemptor.preemptions "
+        "  WHERE state = 'ordered' AND alerted_at IS NULL AND ordered_at <= $1 "
+        "  ORDER BY ordered_at LIMIT $3 FOR UPDATE SKIP LOCKED) "
+        "RETURNING *",
+        ordered_before,
+        now,
+        limit,
+    )
+    return [(_tracked(r).request, r["ordered_at"]) for r in rows]
+
+
 async def runs_ended(
     conn: asyncpg.Connection, ends: Sequence[RunEnd], now: datetime
 ) -> list[tuple[Request, str]]:
@@ -241,3 +260,29 @@ def _tracked(r: asyncpg.Record) -> Tracked:
     payload = PreemptionRequested.model_validate(json.loads(r["request"]))
     request = to_request(r["id"], r["requested_at"], payload)
     return Tracked(request, State(r["state"]), r["trace_id"], r["received_at"], r["stop_at"])
+
+
+# --- housekeeping (services.common.housekeeping) -------------------------------------------
+
+
+async def prune_job_facts(conn: asyncpg.Connection, before: datetime, chunk: int) -> int:
+    """Facts of jobs that finished before `before`: no request can name them any more."""
+    status = await conn.execute(
+        "DELETE FROM preemptor.jobs WHERE job_id IN (SELECT job_id FROM preemptor.jobs "
+        "WHERE finished AND updated_at < $1 LIMIT $2)",
+        before,
+        chunk,
+    )
+    return int(status.split()[-1])
+
+
+async def prune_preemptions(conn: asyncpg.Connection, before: datetime, chunk: int) -> int:
+    """Finished preemptions (done or canceled) older than the audit retention."""
+    status = await conn.execute(
+        "DELETE FROM preemptor.preemptions WHERE id IN (SELECT id FROM preemptor.preemptions "
+        "WHERE state IN ('done', 'canceled') "
+        "AND COALESCE(ended_at, canceled_at, received_at) < $1 LIMIT $2)",
+        before,
+        chunk,
+    )
+    return int(status.split()[-1])

@@ -211,6 +211,44 @@ async def test_a_valid_request_is_signaled_then_ordered_after_the_capped_grace(
     assert 'qm_preemptor_done_total{ended_by="job.preempted"} 1.0' in text
 
 
+async def test_a_stop_order_nobody_answers_raises_one_alert(env: dict[str, Any]) -> None:
+    """No executor ends the run after its stop order (wedged, or gone): after the timeout an
+    alert names the cluster, the run and the job waiting for it, once; a late answer still
+    ends the preemption."""
+    run = uuid.uuid4().hex[:8]
+    victim, asker = f"v-{run}", f"a-{run}"
+    bootstrap = env["kafka_bootstrap"]
+    app = create_app(settings(env, stop_answer_timeout_s=0.5, answer_check_s=0.1))
+    async with running(app):
+        await produce(bootstrap, topics.JOB_STARTED, [started(victim, ran_fleet_s=3600)])
+        await produce(bootstrap, topics.PREEMPTION_REQUESTED, [request(victim, asker, "vision")])
+        await wait_until(lambda: _state_is(env["database_url"], run, victim, "ordered"))
+        alerts = await collect(bootstrap, (topics.ALERT_RAISED,), about(run), count=1)
+        await asyncio.sleep(1.0)  # several more checks: no second alert for the same order
+        again = await collect(bootstrap, (topics.ALERT_RAISED,), about(run), count=2, timeout_s=2)
+        answer = message(
+            "JobPreempted",
+            victim,
+            job_id=victim,
+            attempt=1,
+            cluster="c1",
+            reason_code="preempted_for_priority",
+            message="stopped at last",
+            for_job=asker,
+        )
+        await produce(bootstrap, topics.JOB_PREEMPTED, [answer])
+        await wait_until(lambda: _state_is(env["database_url"], run, victim, "done"))
+    [(_, alert)] = alerts
+    body = alert["payload"]
+    assert (body["cause"], body["severity"], body["cluster"]) == (
+        "stop_order_unanswered",
+        "warning",
+        "c1",
+    )
+    assert victim in body["suggested_action"] and asker in body["suggested_action"]
+    assert len(again) == 1
+
+
 async def _state_is(database_url: str, run: str, job_id: str, state: str) -> bool:
     return (await states(database_url, run)).get(job_id) == state
 
