@@ -165,8 +165,10 @@ async def kill_loop(
                 continue
             os.kill(leader.pid, signal.SIGSTOP)
             freezes.append(leader.name)
-            await asyncio.sleep(rng.uniform(4.0, 6.0))  # the lease lasts 3 s
-            os.kill(leader.pid, signal.SIGCONT)
+            try:
+                await asyncio.sleep(rng.uniform(4.0, 6.0))  # the lease lasts 3 s
+            finally:
+                os.kill(leader.pid, signal.SIGCONT)
             continue
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGKILL)

@@ -1,9 +1,11 @@
 """Pruning the tables that would otherwise only grow.
 
 Every outboxed service remembers the event ids it has processed (`processed_events`), to skip
-redeliveries. A redelivery can only come from the log, so ids older than the broker keeps
-records (`processed_retention_s`, 7 days by default: Kafka's default retention) can go. A
-service may add pruners of its own (the preemptor's job facts and finished preemptions).
+redeliveries. A redelivery is a record read again after a crash or a rebalance, from the last
+committed offset: minutes old, not months. Ids older than `processed_retention_s` (30 days)
+go, which holds as long as no consumer group re-reads further back than that (its committed
+offsets must not expire: see ServiceSettings). A service may add pruners of its own (the
+preemptor's job facts and finished preemptions).
 
 The loop runs every `housekeeping_every_s`, each pruner in its own transaction and in chunks, so
 it never holds locks the consumers need for long; what one instance deleted another finds gone.

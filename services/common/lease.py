@@ -10,6 +10,23 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+# Take the lease if it is free and draw the next epoch, in one step (a process stalled between
+# the two would otherwise hold an epoch without the lease). The epoch never falls to or below
+# `floor`, the newest epoch the caller has seen in the log: if Redis lost the counter (a
+# restart without persistence), new epochs would otherwise be older than the executors' fence
+# and every placement would be refused.
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local epoch = redis.call('INCR', KEYS[2])
+  local floor = tonumber(ARGV[3])
+  if epoch <= floor then
+    epoch = floor + 1
+    redis.call('SET', KEYS[2], epoch)
+  end
+  return epoch
+end
+return 0
+"""
 # Renew only if we still hold it: a check-and-extend must be atomic.
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -37,12 +54,21 @@ class RedisLease:
     def held(self) -> bool:
         return self.epoch is not None
 
-    async def try_acquire(self) -> bool:
-        """Take the lease if it is free; on success a fresh epoch is drawn."""
-        if await self.redis.set(f"{self.name}:holder", self.holder, nx=True, px=self.ttl_ms):
-            self.epoch = int(await self.redis.incr(f"{self.name}:epoch"))
-            return True
-        return False
+    async def try_acquire(self, floor: int = 0) -> bool:
+        """Take the lease if it is free; on success a fresh epoch above `floor` is drawn."""
+        epoch = await self.redis.eval(
+            _ACQUIRE,
+            2,
+            f"{self.name}:holder",
+            f"{self.name}:epoch",
+            self.holder,
+            self.ttl_ms,
+            floor,
+        )
+        if not epoch:
+            return False
+        self.epoch = int(epoch)
+        return True
 
     async def renew(self) -> bool:
         ok = await self.redis.eval(_RENEW, 1, f"{self.name}:holder", self.holder, self.ttl_ms)

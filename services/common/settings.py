@@ -26,9 +26,12 @@ class ServiceSettings(BaseSettings):
     fetch_max_wait_ms: int = 10
     max_batch_records: int = 500
     db_pool_size: int = 4
-    # Processed event ids are kept this long to skip redeliveries (the broker's retention, so
-    # no older record can come back); housekeeping prunes older ones this often (wall seconds).
-    processed_retention_s: float = 7 * 86400
+    # Processed event ids are kept this long to skip redeliveries; housekeeping prunes older
+    # ones this often (wall seconds). A record older than this must never be delivered again:
+    # consumer groups' committed offsets must be kept longer (Kafka: offsets.retention.minutes,
+    # 7 days by default), or a group that comes back after its offsets expired replays from the
+    # earliest record and finds those ids gone.
+    processed_retention_s: float = 30 * 86400
     housekeeping_every_s: float = 3600
     # Fleet (virtual) seconds per wall-clock second on the simulated fleet; 1 on a real one.
     # Durations in job specs and the policy are fleet seconds: a 600 s job runs 10 s at 60x.

@@ -149,6 +149,10 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
             return view
         return replace(view, ended_attempt=p.attempt, updated_at=max(at, view.updated_at))
     if isinstance(p, PlacementRefused):
+        # A deposed leader's copy moves nothing: its successor's placement (of this attempt or
+        # the next) does (queue.lifecycle.on_refused).
+        if p.reason_code == "stale_epoch":
+            return view
         if view.state is JobState.PLACED and p.attempt == view.attempt:
             return replace(view, state=JobState.QUEUED, updated_at=at)
         return view

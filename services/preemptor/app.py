@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from services.common.bootstrap import open_outboxed
 from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.housekeeping import processed_events_pruner
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
@@ -68,6 +69,9 @@ def create_app(settings: PreemptorSettings | None = None) -> FastAPI:
             schema=store.SCHEMA,
             migrations=store.MIGRATIONS,
             pruners={
+                # A request id is remembered as long as its preemption row: a replayed request
+                # must find one or the other.
+                "preemptor.processed_events": (processed_events_pruner(store.SCHEMA), keep_s),
                 "preemptor.jobs": (store.prune_job_facts, keep_s),
                 "preemptor.preemptions": (store.prune_preemptions, keep_s),
             },

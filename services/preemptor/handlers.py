@@ -220,14 +220,18 @@ class Preemptor:
 
     async def alert_unanswered(self) -> int:
         """One alert per stop order that no run end has answered within the timeout (the
-        executor may be wedged or gone); returns how many went out."""
+        executor may be wedged or gone); returns how many went out. Orders whose run ended by
+        the job facts are settled as done first (see store.settle_ended)."""
         now = self.clock()
         before = now - timedelta(seconds=self.stop_answer_timeout_s)
         async with self.pool.acquire() as conn, conn.transaction():
+            settled = await store.settle_ended(conn, now)
             late = await store.claim_unanswered(conn, before, now, self.timer_batch)
             messages = [emit.unanswered(req, at, (now - at).total_seconds()) for req, at in late]
             staged = await add_to_outbox(conn, store.SCHEMA, messages)
         self.relay.committed(staged)
+        for _req, ended_by in settled:
+            self.metrics.done.labels(ended_by).inc()
         for req, at in late:
             self.metrics.unanswered.inc()
             log.warning(

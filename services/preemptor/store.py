@@ -148,7 +148,7 @@ async def insert(
         "INSERT INTO preemptor.preemptions (id, job_id, attempt, cluster, tenant, for_job, "
         "for_tenant, reason_code, epoch, request, trace_id, requested_at, received_at, state, "
         "hold_until) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11, $12, $13, "
-        "$14, $15)",
+        "$14, $15) ON CONFLICT DO NOTHING",  # a request replayed after its id was pruned
         r.id,
         r.job_id,
         r.attempt,
@@ -212,6 +212,20 @@ async def claim_due(conn: asyncpg.Connection, now: datetime, limit: int) -> list
         limit,
     )
     return [_tracked(r) for r in rows]
+
+
+async def settle_ended(conn: asyncpg.Connection, now: datetime) -> list[tuple[Request, str]]:
+    """Ordered preemptions whose victim run has ended by the job facts: done. Covers a run end
+    committed while the timer was ordering the stop (the end matched no `ordered` row yet),
+    so such a row is neither stuck in `ordered` nor alerted on."""
+    rows = await conn.fetch(
+        "UPDATE preemptor.preemptions p SET state = 'done', ended_at = $1, ended_by = 'facts' "
+        "FROM preemptor.jobs j WHERE p.state = 'ordered' AND j.job_id = p.job_id AND ("
+        "  j.closed OR j.ended_attempt >= p.attempt OR j.started_attempt > p.attempt) "
+        "RETURNING p.*",
+        now,
+    )
+    return [(_tracked(r).request, r["ended_by"]) for r in rows]
 
 
 async def claim_unanswered(

@@ -130,6 +130,9 @@ def cancel_now(step: Step, env: Envelope, message: str) -> None:
     step.emits.append(finish(step.record, env, Outcome.CANCELED, "canceled", message))
 
 
+STALE_EPOCH = "stale_epoch"  # the executor's reason code for a deposed leader's placement
+
+
 def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state is JobState.CANCELED or rec.cancel_requested:
@@ -153,6 +156,12 @@ def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
 
 def on_refused(rec: JobRecord, p: PlacementRefused, env: Envelope) -> Step:
     step = Step(rec)
+    if p.reason_code == STALE_EPOCH:
+        # A deposed leader's placement. Its successor may have placed this same attempt (the
+        # run we are waiting for), and if it had not, it places the job again: either way
+        # the job's state moves with the next placement, not with this refusal.
+        note(step, env, p.reason_code, p.message)
+        return step
     if rec.state is not JobState.PLACED or p.attempt != rec.attempt:
         return step
     if rec.cancel_requested:

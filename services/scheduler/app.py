@@ -98,12 +98,12 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
 
         while True:
             now = time.monotonic()
-            if lease.held and state.newest_fence() > (lease.epoch or 0):
+            if lease.held and state.newest_epoch() > (lease.epoch or 0):
                 log.warning("a newer leader has fenced us; standing by", epoch=lease.epoch)
                 await lease.release()
             if not lease.held:
                 metrics.leader.set(0)
-                if not await lease.try_acquire():
+                if not await lease.try_acquire(floor=state.newest_epoch()):
                     await asyncio.sleep(renew_every)
                     continue
                 epoch = lease.epoch
@@ -115,6 +115,8 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
                     raise
                 if not taken or not await still_leading():
                     log.warning("lost the lease while taking over; standing by", epoch=epoch)
+                    continue
+                if state.newest_epoch() > epoch:  # a newer leader fenced us meanwhile
                     continue
                 log.info("became leader", epoch=epoch, records=feed.records)
                 state.dirty = True

@@ -42,10 +42,13 @@ class SchedulerState:
     running_epoch: dict[JobId, int] = field(default_factory=dict)
     # Placements read before their job.queued (topics are not ordered with each other, e.g. on
     # a replay): applied when the job.queued arrives, so the job is not placed a second time.
-    early: dict[JobId, tuple[PlacementDecided, float]] = field(default_factory=dict)
+    # Every copy of the highest attempt is kept (two leaders may have placed it), in log order.
+    early: dict[JobId, list[tuple[PlacementDecided, float]]] = field(default_factory=dict)
     # Highest leader fence read per (topic, partition): a new leader decides only once it has
     # read its own fence on every partition of the topics it decides on.
     fences: dict[tuple[str, int], int] = field(default_factory=dict)
+    # Newest epoch on a placement or preemption request read (fences are counted above).
+    epoch_seen: int = 0
     finished: OrderedDict[JobId, None] = field(default_factory=OrderedDict)
     # Quarantined by the health service; kept apart from the inventory, which may be re-sent.
     unhealthy: set[NodeId] = field(default_factory=set)
@@ -166,14 +169,14 @@ class SchedulerState:
         else:
             self.held.pop(job_id, None)
         self.dirty = True
-        early = self.early.pop(job_id, None)
-        if early is not None:
-            self.on_placed(*early)
+        for placement, at in self.early.pop(job_id, ()):
+            self.on_placed(placement, at)
 
     def on_placed(self, event: PlacementDecided, at: float) -> None:
         """A placement, ours or a previous leader's, decided at wall time `at`; applying it
         twice changes nothing."""
         job_id = JobId(event.job_id)
+        self.epoch_seen = max(self.epoch_seen, event.epoch)
         self.attempts[job_id] = max(self.attempts.get(job_id, 0), event.attempt)
         if (
             job_id in self.finished
@@ -198,9 +201,11 @@ class SchedulerState:
         )
         if request is None:
             # Seen before its job.queued: kept, and applied when that arrives.
-            known = self.early.get(job_id)
-            if known is None or known[0].attempt < event.attempt:
-                self.early[job_id] = (event, at)
+            known = self.early.setdefault(job_id, [])
+            if known and known[0][0].attempt < event.attempt:
+                known.clear()
+            if not known or known[0][0].attempt == event.attempt:
+                known.append((event, at))
             return
         self.held.pop(job_id, None)
         self.running[job_id] = allocation_from_event(event, request, self.fleet_time(at))
@@ -228,6 +233,7 @@ class SchedulerState:
 
     def on_preemption_requested(self, event: PreemptionRequested) -> None:
         """Ours or a previous leader's: the victim's run is leaving (unless declined)."""
+        self.epoch_seen = max(self.epoch_seen, event.epoch)
         job_id = JobId(event.job_id)
         if self.running_attempt.get(job_id) == event.attempt:
             self.preempting[job_id] = (event.attempt, JobId(event.for_job))
@@ -289,8 +295,9 @@ class SchedulerState:
         key = (topic, partition)
         self.fences[key] = max(self.fences.get(key, 0), epoch)
 
-    def newest_fence(self) -> int:
-        return max(self.fences.values(), default=0)
+    def newest_epoch(self) -> int:
+        """The newest leader epoch in the log as read: fences, placements, preemption requests."""
+        return max(self.epoch_seen, max(self.fences.values(), default=0))
 
     def fenced(self, partitions: list[tuple[str, int]], epoch: int) -> bool:
         """Whether a fence of `epoch` (or a newer one) has been read on all `partitions`."""

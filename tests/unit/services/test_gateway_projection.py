@@ -16,6 +16,7 @@ from schemas.events import (
     JobStarted,
     Outcome,
     PlacementDecided,
+    PlacementRefused,
     PreemptionCanceled,
     RejectReason,
     ReplicaAssignment,
@@ -213,3 +214,14 @@ def test_a_called_off_preemption_returns_the_run_to_running() -> None:
     # A signal for an older run changes nothing.
     view, _ = fold(queued, placed, started, ("JobCheckpointRequested", checkpoint(attempt=0)))
     assert view is not None and view.state is JobState.RUNNING  # type: ignore[attr-defined]
+
+
+def test_a_deposed_leaders_refused_copy_leaves_the_job_placed() -> None:
+    events = lifecycle()[:2]
+    stale = PlacementRefused(
+        job_id="j1", attempt=1, epoch=0, cluster="c", reason_code="stale_epoch", message="old"
+    )
+    view = None
+    for i, (kind, payload) in enumerate([*events, ("PlacementRefused", stale)]):
+        view, _ = project(view, event(kind, payload, T0 + timedelta(seconds=i)), payload)
+    assert view is not None and view.state is JobState.PLACED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from aiokafka import ConsumerRecord
@@ -116,6 +117,27 @@ def test_refusal_requeues_the_same_attempt_only() -> None:
     assert plan_batch([stale], dict(records), {}, policy()).updates == {}
     plan = plan_batch([current], dict(records), {}, policy())
     assert plan.updates["j1"].state is JobState.QUEUED
+
+
+def test_a_deposed_leaders_refused_copy_moves_nothing_even_with_a_cancel_waiting() -> None:
+    """Two leaders placed attempt 1; the old copy is refused for its epoch while the new one is
+    about to start. The job must not go back to queued, nor end canceled before its run does
+    (that would end it twice: now, and when the stopped run ends)."""
+    records = {"j1": replace(record("j1", JobState.PLACED, attempt=1), cancel_requested=True)}
+    stale = lifecycle(
+        "PlacementRefused",
+        PlacementRefused(
+            job_id="j1",
+            attempt=1,
+            epoch=1,
+            cluster="c1",
+            reason_code="stale_epoch",
+            message="decided by leader epoch 1; epoch 2 leads now",
+        ),
+    )
+    plan = plan_batch([stale], dict(records), {}, policy())
+    assert "j1" not in plan.updates or plan.updates["j1"].state is JobState.PLACED
+    assert topics_of(plan) == []
 
 
 def test_cancel_of_a_queued_job_finishes_it_and_stops_inflight_placements() -> None:

@@ -242,6 +242,24 @@ def test_a_placement_read_before_its_queued_event_is_applied_when_that_arrives()
     assert state.next_attempt("j1") == 2  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("refusal_first", [True, False])
+def test_both_leaders_copies_read_before_the_queued_event_leave_the_newer_running(
+    refusal_first: bool,
+) -> None:
+    """A replay reads the deposed leader's copy (epoch 1, refused) and its successor's (epoch
+    2) of one attempt before the job's job.queued: the successor's copy is the run."""
+    state = SchedulerState()
+    state.on_placed(placed("j1", epoch=1), 1.0)
+    state.on_placed(placed("j1", epoch=2), 2.0)
+    if refusal_first:
+        state.on_refused(refused("j1", attempt=1, epoch=1))
+    state.on_queued(queued("j1"))
+    if not refusal_first:
+        state.on_refused(refused("j1", attempt=1, epoch=1))
+    assert list(state.running) == ["j1"] and state.pending == {}
+    assert state.running_epoch["j1"] == 2  # type: ignore[index]
+
+
 def test_an_early_placement_of_a_finished_job_is_forgotten() -> None:
     state = SchedulerState()
     state.on_placed(placed("j1"), 1.0)
@@ -306,4 +324,6 @@ def test_fences_count_per_partition() -> None:
     assert not state.fenced(parts, 3)
     state.on_fence("placement.decided", 1, 4)  # a newer leader's fence counts too
     assert state.fenced(parts, 3) and not state.fenced(parts, 4)
-    assert state.newest_fence() == 4
+    assert state.newest_epoch() == 4
+    state.on_placed(placed("j9", epoch=6), 1.0)  # a placement's epoch counts as well
+    assert state.newest_epoch() == 6

@@ -1,0 +1,72 @@
+"""The preemptor's queries for stop orders that got no answer, on real PostgreSQL: a run whose
+end is already in the job facts (it ended while the timer was ordering its stop) is settled,
+not alerted on; an unanswered order is claimed for one alert, once."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from services.common.db import create_pool, migrate
+from services.preemptor import store
+
+NOW = datetime(2026, 11, 22, 12, tzinfo=UTC)
+
+
+async def test_ended_runs_are_settled_and_the_rest_alerted_once(fresh_database_url: str) -> None:
+    pool = await create_pool(fresh_database_url)
+    try:
+        await migrate(pool, store.SCHEMA, store.MIGRATIONS)
+        async with pool.acquire() as conn:
+            await ordered(conn, "ended", ordered_ago_s=120)
+            await ordered(conn, "silent", ordered_ago_s=120)
+            await ordered(conn, "recent", ordered_ago_s=5)
+            await conn.execute(
+                "INSERT INTO preemptor.jobs (job_id, started_attempt, ended_attempt) "
+                "VALUES ('ended', 1, 1), ('silent', 1, NULL), ('recent', 1, NULL)"
+            )
+            async with conn.transaction():
+                settled = await store.settle_ended(conn, NOW)
+                late = await store.claim_unanswered(conn, NOW - timedelta(seconds=60), NOW, 10)
+            async with conn.transaction():
+                again = await store.claim_unanswered(conn, NOW - timedelta(seconds=60), NOW, 10)
+            states = dict(await conn.fetch("SELECT job_id, state FROM preemptor.preemptions"))
+    finally:
+        await pool.close()
+    assert [(req.job_id, how) for req, how in settled] == [("ended", "facts")]
+    assert [req.job_id for req, _ in late] == ["silent"]
+    assert again == []
+    assert states == {"ended": "done", "silent": "ordered", "recent": "ordered"}
+
+
+async def ordered(conn: asyncpg.Connection, victim: str, ordered_ago_s: float) -> None:
+    request = {
+        "job_id": victim,
+        "attempt": 1,
+        "cluster": "c1",
+        "tenant": "t",
+        "priority_class": "low",
+        "claim": {"rank": 0, "guaranteed": False, "level": 0},
+        "for_job": "f",
+        "for_tenant": "t",
+        "for_priority_class": "high",
+        "for_claim": {"rank": 50, "guaranteed": True, "level": 0},
+        "reason_code": "preempted_for_priority",
+        "message": "m",
+        "grace_s": 60,
+        "epoch": 1,
+        "leader": "s",
+    }
+    at = NOW - timedelta(seconds=ordered_ago_s)
+    await conn.execute(
+        "INSERT INTO preemptor.preemptions (id, job_id, attempt, cluster, tenant, for_job, "
+        "for_tenant, reason_code, epoch, request, trace_id, requested_at, received_at, state, "
+        "ordered_at) VALUES ($1, $2, 1, 'c1', 't', 'f', 't', 'preempted_for_priority', 1, "
+        "$3::jsonb, 'tr', $4, $4, 'ordered', $4)",
+        f"p-{victim}",
+        victim,
+        json.dumps(request),
+        at,
+    )
