@@ -30,18 +30,23 @@ Pruner = Callable[[asyncpg.Connection, datetime, int], Awaitable[int]]
 CHUNK = 5000
 
 
-def processed_events_pruner(schema: str) -> Pruner:
+def rows_pruner(table: str, key: str, old: str) -> Pruner:
+    """Deletes a chunk of `table`'s rows (by primary key `key`) for which the SQL condition
+    `old` holds; `$1` in it is the cut-off time."""
+
     async def prune(conn: asyncpg.Connection, before: datetime, chunk: int) -> int:
         status = await conn.execute(
-            f'DELETE FROM "{schema}".processed_events WHERE event_id IN ('
-            f'SELECT event_id FROM "{schema}".processed_events WHERE processed_at < $1 '
-            "LIMIT $2)",
+            f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {old} LIMIT $2)",
             before,
             chunk,
         )
         return int(status.split()[-1])
 
     return prune
+
+
+def processed_events_pruner(schema: str) -> Pruner:
+    return rows_pruner(f'"{schema}".processed_events', "event_id", "processed_at < $1")
 
 
 class Housekeeping:

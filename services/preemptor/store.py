@@ -14,6 +14,7 @@ from pathlib import Path
 import asyncpg
 
 from schemas.events import PreemptionRequested
+from services.common.housekeeping import rows_pruner
 from services.preemptor.guards import JobFacts, Request, State
 from services.preemptor.intake import Incoming, RunEnd, to_request
 
@@ -279,24 +280,11 @@ def _tracked(r: asyncpg.Record) -> Tracked:
 # --- housekeeping (services.common.housekeeping) -------------------------------------------
 
 
-async def prune_job_facts(conn: asyncpg.Connection, before: datetime, chunk: int) -> int:
-    """Facts of jobs that finished before `before`: no request can name them any more."""
-    status = await conn.execute(
-        "DELETE FROM preemptor.jobs WHERE job_id IN (SELECT job_id FROM preemptor.jobs "
-        "WHERE finished AND updated_at < $1 LIMIT $2)",
-        before,
-        chunk,
-    )
-    return int(status.split()[-1])
-
-
-async def prune_preemptions(conn: asyncpg.Connection, before: datetime, chunk: int) -> int:
-    """Finished preemptions (done or canceled) older than the audit retention."""
-    status = await conn.execute(
-        "DELETE FROM preemptor.preemptions WHERE id IN (SELECT id FROM preemptor.preemptions "
-        "WHERE state IN ('done', 'canceled') "
-        "AND COALESCE(ended_at, canceled_at, received_at) < $1 LIMIT $2)",
-        before,
-        chunk,
-    )
-    return int(status.split()[-1])
+# Facts of jobs that finished before the cut-off: no request can name them any more.
+prune_job_facts = rows_pruner("preemptor.jobs", "job_id", "finished AND updated_at < $1")
+# Finished preemptions (done or canceled) older than the audit retention.
+prune_preemptions = rows_pruner(
+    "preemptor.preemptions",
+    "id",
+    "state IN ('done', 'canceled') AND COALESCE(ended_at, canceled_at, received_at) < $1",
+)
