@@ -29,6 +29,8 @@ class RejectReason(StrEnum):
     DUPLICATE_JOB_ID = "duplicate_job_id"  # another tenant's job already has this id
     BUDGET_EXHAUSTED = "budget_exhausted"  # a blocking budget of the tenant/project is used up
     DUPLICATE_SUBMISSION = "duplicate_submission"  # same idempotency key as an earlier job
+    TOO_LARGE = "too_large"  # the record or the spec is over its size limit
+    UNPROCESSABLE = "unprocessable"  # valid, but the queue could not store it (dead-lettered)
 
 
 class Outcome(StrEnum):
@@ -311,6 +313,10 @@ class PendingExplained(Payload):
 
 
 class DeadLetter(Payload):
+    """A record a consumer gave up on (type DeadLetter, key the source topic). `value` is for
+    people (text, escaped, truncated); `value_base64` holds the exact bytes (up to 64 KiB) so
+    the record can be replayed, `size` and `sha256` name the whole original."""
+
     source_topic: str
     partition: int
     offset: int
@@ -318,3 +324,14 @@ class DeadLetter(Payload):
     value: str = Field(description="The raw message, as text (truncated to 64 KiB).")
     error: str
     consumer: str
+    reason: str = Field(
+        default="unreadable",
+        description="Why: unreadable (cannot be parsed or validated), unprocessable (a "
+        "consumer could not apply it: it cannot be stored), too_large, or unpublishable "
+        "(the broker refused an event the service produced).",
+    )
+    value_base64: str | None = Field(
+        default=None, description="The exact bytes of the record (first 64 KiB), base64."
+    )
+    size: int | None = Field(default=None, description="The record's size in bytes.")
+    sha256: str | None = Field(default=None, description="SHA-256 of the whole record, hex.")

@@ -1,5 +1,6 @@
 """Start-up every outboxed service shares: its pool and migrated schema, the broker, the relay
-(which first publishes whatever a crash left in the outbox) and the offset committer, with
+(which first publishes whatever a crash left in the outbox) and the consumers' committer
+and probe, with
 their shutdown in the right order (commit, then stop consuming, then close the pool)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import asyncpg
 from faststream.kafka import KafkaBroker
 
-from services.common.consumer import OffsetCommitter
+from services.common.consumer import Consumers
 from services.common.db import create_pool, migrate
 from services.common.housekeeping import Pruner, start_housekeeping
 from services.common.outbox import OutboxRelay
@@ -20,7 +21,7 @@ from services.common.runtime import Runtime
 async def open_outboxed(
     runtime: Runtime,
     broker: KafkaBroker,
-    committer: OffsetCommitter,
+    consumers: Consumers,
     *,
     schema: str,
     migrations: Path,
@@ -33,14 +34,15 @@ async def open_outboxed(
     pool = await create_pool(settings.database_url, settings.db_pool_size)
     await migrate(pool, schema, migrations)
     await broker.connect()
+    consumers.probe = lambda: pool.fetchval("SELECT 1")
     relay = OutboxRelay(pool, broker, schema)
     await relay.flush()  # anything a crash left behind goes out before new work
     runtime.background(relay.run_forever)
-    runtime.background(committer.run_forever)
+    runtime.background(consumers.committer.run_forever)
     start_housekeeping(runtime, pool, schema, pruners)
 
     async def close() -> None:
-        await committer.flush()
+        await consumers.committer.flush()
         await broker.stop()
         await pool.close()
 

@@ -1,15 +1,30 @@
-"""Batch consumption with offsets committed after the handler, off the consume loop.
+"""The consumer pipeline every service uses: batches in, effects applied, offsets committed,
+and no record, however hostile, and no outage, however long, stalls a partition.
 
-A handler runs on a batch; only when it returned are that batch's offsets handed to the
-committer, which commits them in the background (the highest per partition wins). So the
-next batch is not held up by the commit round trip, and an offset is never committed before
-its record's effect is durable. A handler that raises rewinds the batch for redelivery.
+A service supplies a batch step (decode, decide, write its effects and outbox in one
+transaction). The pipeline runs it and, only when it returned, hands the batch's offsets to
+the committer (in the background; the highest per partition wins), so an offset is never
+committed before its record's effect is durable. When the step fails, the failure's class
+(services.common.errors) decides:
+
+- retryable (a store or the broker is away): the same batch is tried again in place, with
+  exponential backoff and jitter (0.1 s doubling to 10 s), every try logged with the service,
+  group, topic, partition, offsets and error and counted; once it has lasted
+  `stall_alert_after_s`, one `alert.raised` (cause `consumer_stalled`) goes out;
+- permanent (cannot be parsed, validated or stored): the batch is split in halves and each half
+  tried on its own, down to the one record that fails; that record is dead-lettered with the
+  reason and its exact bytes (and whatever `give_up` adds, e.g. the queue's `job.rejected`),
+  and its neighbours are applied in their order. Steps are idempotent (processed event ids),
+  so a half that is tried again after a rollback does nothing twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -19,14 +34,25 @@ from aiokafka.structs import OffsetAndMetadata
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.kafka import records_of
+from schemas import topics
+from schemas.health import AlertRaised, Severity
+from services.common.deadletter import dead_letter
+from services.common.errors import Failure, classify, describe
+from services.common.kafka import OutMessage, envelope_for, publish_all, records_of
 from services.common.settings import ServiceSettings
 
 log = structlog.get_logger()
 
 Records = tuple[ConsumerRecord[Any, Any], ...]
 BatchHandler = Callable[[Records], Awaitable[None]]
+# Extra messages for a record given up on (besides its dead letter), e.g. a job.rejected.
+GiveUp = Callable[[ConsumerRecord[Any, Any], str], Sequence[OutMessage]]
+Probe = Callable[[], Awaitable[Any]]
+
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 10.0
 
 
 class OffsetCommitter:
@@ -70,46 +96,291 @@ class OffsetCommitter:
             await asyncio.sleep(self._min_interval_s)
 
 
-def consume_batches(
-    broker: KafkaBroker,
-    *topics: str,
-    group_id: str,
-    settings: ServiceSettings,
-    handle: BatchHandler,
-    committer: OffsetCommitter,
-    fetch_max_wait_ms: int | None = None,
-    max_records: int | None = None,
-) -> None:
-    """Subscribe `handle` to `topics` in a consumer group tuned for Tansu (shared/INFRA.md)."""
-    wait = fetch_max_wait_ms or settings.fetch_max_wait_ms
-    subscriber = broker.subscriber(
-        *topics,
-        batch=True,
-        group_id=group_id,
-        auto_offset_reset="earliest",
-        session_timeout_ms=2000,
-        heartbeat_interval_ms=500,
-        fetch_max_wait_ms=wait,
-        batch_timeout_ms=wait,
-        max_records=max_records or settings.max_batch_records,
-        ack_policy=AckPolicy.MANUAL,
-        decoder=_leave_undecoded,
-    )
+class ConsumerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.dead_letters = Counter(
+            "qm_consumer_dead_letters_total",
+            "Records given up on (permanent failure) and dead-lettered",
+            ["group"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "qm_consumer_retries_total",
+            "Batches tried again after a retryable failure",
+            ["group"],
+            registry=registry,
+        )
+        self.splits = Counter(
+            "qm_consumer_split_batches_total",
+            "Batches split in halves to isolate a record that fails permanently",
+            ["group"],
+            registry=registry,
+        )
+        self.stalled = Gauge(
+            "qm_consumer_stalled_seconds",
+            "How long the group's current batch has been failing (0 when it is not)",
+            ["group"],
+            registry=registry,
+        )
+        self.alerts = Counter(
+            "qm_consumer_alerts_total",
+            "Stall alerts raised (one per stall)",
+            ["group"],
+            registry=registry,
+        )
+        self.batch = Histogram(
+            "qm_consumer_batch_seconds",
+            "Time from a batch's arrival to its offsets handed to the committer",
+            ["group"],
+            registry=registry,
+        )
 
-    async def on_batch(message: KafkaMessage) -> None:
-        records = records_of(message)
+
+class Consumers:
+    """A service's consumer groups, sharing one committer, one set of metrics and one way to
+    fail. Set `probe` (e.g. `SELECT 1` on the service's pool) once the stores are open: it tells
+    an unknown failure provoked by a record (permanent) from an outage (retryable)."""
+
+    def __init__(
+        self,
+        broker: KafkaBroker,
+        settings: ServiceSettings,
+        *,
+        service: str,
+        registry: CollectorRegistry | None = None,
+        committer: OffsetCommitter | None = None,
+        stall_alert_after_s: float | None = None,
+        backoff_max_s: float = BACKOFF_MAX_S,
+    ) -> None:
+        self.broker = broker
+        self.settings = settings
+        self.service = service
+        self.committer = committer or OffsetCommitter()
+        self.metrics = ConsumerMetrics(registry or CollectorRegistry())
+        self.stall_alert_after_s = (
+            settings.stall_alert_after_s if stall_alert_after_s is None else stall_alert_after_s
+        )
+        self.backoff_max_s = backoff_max_s
+        self.probe: Probe | None = None
+        # Where dead letters and alerts go; the real broker unless a test swaps it.
+        self.publish: Callable[[Sequence[OutMessage]], Awaitable[Any]] = self._publish
+
+    async def _publish(self, messages: Sequence[OutMessage]) -> Any:
+        return await publish_all(self.broker, messages)
+
+    def subscribe(
+        self,
+        *topic_names: str,
+        group_id: str,
+        handle: BatchHandler,
+        fetch_max_wait_ms: int | None = None,
+        max_records: int | None = None,
+        give_up: GiveUp | None = None,
+    ) -> None:
+        """Consume `topic_names` in group `group_id`, tuned for Tansu (shared/INFRA.md)."""
+        settings = self.settings
+        wait = fetch_max_wait_ms or settings.fetch_max_wait_ms
+        subscriber = self.broker.subscriber(
+            *topic_names,
+            batch=True,
+            group_id=group_id,
+            auto_offset_reset="earliest",
+            session_timeout_ms=2000,
+            heartbeat_interval_ms=500,
+            fetch_max_wait_ms=wait,
+            batch_timeout_ms=wait,
+            max_records=max_records or settings.max_batch_records,
+            ack_policy=AckPolicy.MANUAL,
+            decoder=_leave_undecoded,
+        )
+        group = Group(self, group_id, handle, give_up)
+
+        async def on_batch(message: KafkaMessage) -> None:
+            records = records_of(message)
+            await group.run(records)
+            self.committer.add(message.consumer, records)  # type: ignore[arg-type]
+
+        on_batch.__name__ = f"on_{group_id.replace('-', '_')}"
+        subscriber(on_batch)
+
+    def group(self, group_id: str, handle: BatchHandler, give_up: GiveUp | None = None) -> Group:
+        """The failure handling of one group without a subscription (tests, replays)."""
+        return Group(self, group_id, handle, give_up)
+
+
+class Group:
+    """Runs one group's batches through its step with the failure handling described above."""
+
+    def __init__(
+        self, owner: Consumers, group_id: str, handle: BatchHandler, give_up: GiveUp | None
+    ) -> None:
+        self.owner = owner
+        self.group_id = group_id
+        self.handle = handle
+        self.give_up = give_up
+        self._failing_since: float | None = None
+        self._alerted = False
+
+    async def run(self, records: Records) -> None:
+        """Apply `records`; returns once each is applied or dead-lettered. Raises only on
+        cancellation (shutdown), so the batch is then redelivered to the next owner."""
+        started = time.monotonic()
         try:
-            await handle(records)
-        except Exception:
-            await message.nack()  # seek back: the batch comes again
-            raise
-        committer.add(message.consumer, records)  # type: ignore[arg-type]
+            await self._apply(records)
+        finally:
+            self._recovered()
+        self.owner.metrics.batch.labels(self.group_id).observe(time.monotonic() - started)
 
-    on_batch.__name__ = f"on_{group_id.replace('-', '_')}"
-    subscriber(on_batch)
+    async def _apply(self, records: Records) -> None:
+        delay = BACKOFF_FIRST_S
+        while True:
+            try:
+                await self.handle(records)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failure = await self._classify(exc)
+                if failure is Failure.PERMANENT:
+                    await self._isolate(records, exc)
+                    return
+                await self._wait_to_retry(records, exc, delay)
+                delay = min(delay * 2, self.owner.backoff_max_s)
+
+    async def _isolate(self, records: Records, exc: Exception) -> None:
+        if len(records) == 1:
+            await self._dead_letter(records[0], exc)
+            return
+        self.owner.metrics.splits.labels(self.group_id).inc()
+        half = len(records) // 2
+        log.info(
+            "batch failed permanently; splitting it to find the record",
+            group=self.group_id,
+            records=len(records),
+            error=describe(exc),
+        )
+        await self._apply(records[:half])
+        await self._apply(records[half:])
+
+    async def _classify(self, exc: Exception) -> Failure:
+        failure = classify(exc)
+        if failure is not Failure.UNKNOWN:
+            return failure
+        probe = self.owner.probe
+        if probe is None:
+            return Failure.PERMANENT
+        try:
+            await asyncio.wait_for(probe(), 5.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return Failure.RETRYABLE  # the stores are away: that, not the record, is the cause
+        return Failure.PERMANENT
+
+    async def _dead_letter(self, record: ConsumerRecord[Any, Any], exc: Exception) -> None:
+        error = describe(exc)
+        log.error(
+            "record given up and dead-lettered",
+            group=self.group_id,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            error=error,
+            exc_info=exc,
+        )
+        messages = [dead_letter(record, error, consumer=self.owner.service, reason="unprocessable")]
+        if self.give_up is not None:
+            try:
+                messages.extend(self.give_up(record, error))
+            except Exception:
+                log.warning("give-up hook failed; dead letter only", exc_info=True)
+        delay = BACKOFF_FIRST_S
+        while True:
+            try:
+                await self.owner.publish(messages)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as publish_exc:
+                await self._wait_to_retry((record,), publish_exc, delay)
+                delay = min(delay * 2, self.owner.backoff_max_s)
+        self.owner.metrics.dead_letters.labels(self.group_id).inc()
+
+    async def _wait_to_retry(self, records: Records, exc: Exception, delay: float) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        stalled = now - self._failing_since
+        metrics = self.owner.metrics
+        metrics.retries.labels(self.group_id).inc()
+        metrics.stalled.labels(self.group_id).set(stalled)
+        first = records[0]
+        pause = delay * random.uniform(0.5, 1.0)  # jitter, not secrets
+        log.warning(
+            "consumer failed; retrying",
+            group=self.group_id,
+            topic=first.topic,
+            partition=first.partition,
+            offsets=f"{min(r.offset for r in records)}-{max(r.offset for r in records)}",
+            records=len(records),
+            error=describe(exc),
+            retry_in_s=round(pause, 2),
+            stalled_s=round(stalled, 1),
+        )
+        if stalled >= self.owner.stall_alert_after_s and not self._alerted:
+            self._alerted = await self._raise_alert(first, exc, stalled)
+        # Sleep no longer than it takes to reach the alert threshold, so it fires on time.
+        if not self._alerted and stalled < self.owner.stall_alert_after_s:
+            pause = min(pause, self.owner.stall_alert_after_s - stalled)
+        await asyncio.sleep(pause)
+
+    async def _raise_alert(
+        self, record: ConsumerRecord[Any, Any], exc: Exception, stalled: float
+    ) -> bool:
+        service = self.owner.service
+        alert = AlertRaised(
+            alert_id=f"consumer/{self.group_id}/{int(time.time())}",
+            severity=Severity.CRITICAL,
+            subject=f"consumer/{self.group_id}",
+            cluster="",
+            cause="consumer_stalled",
+            suggested_action=(
+                f"{service} has not applied {record.topic}[{record.partition}] from offset "
+                f"{record.offset} for {stalled:.0f} s: {describe(exc)}. Check the service's "
+                "log and the stores it writes to (PostgreSQL, Redis, the broker)."
+            ),
+            first_seen=datetime.now(UTC),
+            count=1,
+        )
+        message = OutMessage(
+            topics.ALERT_RAISED,
+            alert.subject,
+            envelope_for("AlertRaised", alert, producer=service),
+        )
+        try:
+            await asyncio.wait_for(self.owner.publish([message]), 10.0)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("stall alert could not be published; will try again", exc_info=True)
+            return False
+        self.owner.metrics.alerts.labels(self.group_id).inc()
+        log.error("consumer stalled; alert raised", group=self.group_id, stalled_s=stalled)
+        return True
+
+    def _recovered(self) -> None:
+        if self._failing_since is not None:
+            log.info(
+                "consumer recovered",
+                group=self.group_id,
+                after_s=round(time.monotonic() - self._failing_since, 1),
+            )
+        self._failing_since = None
+        self._alerted = False
+        self.owner.metrics.stalled.labels(self.group_id).set(0)
 
 
 async def _leave_undecoded(_message: Any) -> None:
-    """Handlers read the raw records themselves (they must see poison bytes to dead-letter
+    """Steps read the raw records themselves (they must see poison bytes to dead-letter
     them), so FastStream's per-record JSON decoding would be wasted work."""
     return None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,24 +28,86 @@ class Received:
 
 
 def dead_letter(
-    record: ConsumerRecord[Any, Any], error: str, *, consumer: str, tenant: str | None = None
+    record: ConsumerRecord[Any, Any],
+    error: str,
+    *,
+    consumer: str,
+    tenant: str | None = None,
+    reason: str = "unreadable",
 ) -> OutMessage:
-    raw = record.value or b""
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    payload = DeadLetter(
-        source_topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        key=decode_key(record),
-        value=text[:MAX_DEAD_LETTER_VALUE],
-        error=error,
+    """The dead letter for `record`: its exact bytes (base64, first 64 KiB), a readable copy,
+    its size and digest, and why. Never raises, whatever the record holds: a dead letter is
+    the last resort and must always be writable."""
+    raw = record.value
+    if raw is None:
+        raw = b""
+    elif not isinstance(raw, bytes):
+        raw = str(raw).encode("utf-8", "backslashreplace")
+    return _letter(
+        record.topic,
+        record.partition,
+        record.offset,
+        decode_key(record),
+        raw,
+        error,
         consumer=consumer,
+        tenant=tenant,
+        reason=reason,
     )
+
+
+def dead_letter_for_message(
+    topic: str, key: str | None, value: bytes, error: str, *, producer: str
+) -> OutMessage:
+    """The dead letter for an event a service produced and the broker refused (it has no
+    partition or offset: both are -1)."""
+    return _letter(topic, -1, -1, key, value, error, consumer=producer, reason="unpublishable")
+
+
+def _letter(
+    topic: str,
+    partition: int,
+    offset: int,
+    key: str | None,
+    raw: bytes,
+    error: str,
+    *,
+    consumer: str,
+    reason: str,
+    tenant: str | None = None,
+) -> OutMessage:
+    head = raw[:MAX_DEAD_LETTER_VALUE]
+    payload = DeadLetter(
+        source_topic=topic,
+        partition=partition,
+        offset=offset,
+        key=None if key is None else _printable(key[:1024]),
+        value=_printable(head.decode("utf-8", "replace")),
+        value_base64=base64.b64encode(head).decode(),
+        size=len(raw),
+        sha256=hashlib.sha256(raw).hexdigest(),
+        error=_printable(error[:4096]),
+        consumer=consumer,
+        reason=reason,
+    )
+    safe_tenant = tenant if tenant is not None and _SAFE_TENANT.fullmatch(tenant) else None
     return OutMessage(
         topics.DEAD_LETTER,
-        record.topic,
-        envelope_for("DeadLetter", payload, producer=consumer, tenant=tenant),
+        topic,
+        envelope_for("DeadLetter", payload, producer=consumer, tenant=safe_tenant),
     )
+
+
+_SAFE_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# NUL, other C0/C1 controls and bidi overrides are shown as escapes: a dead letter is read by
+# people (and stored in PostgreSQL, which refuses NUL).
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+
+
+def _printable(text: str) -> str:
+    return _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def decode_envelopes(

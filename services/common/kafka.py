@@ -52,7 +52,9 @@ def make_broker(
         max_batch_size=MAX_PRODUCER_BATCH,
         max_request_size=4 * MAX_PRODUCER_BATCH,
         linger_ms=1,
-        acks=1,
+        # A message counts as published only once every in-sync replica has it: with acks=1
+        # a leader failover could lose an event whose outbox row was already deleted.
+        acks="all",
         middlewares=middlewares,
         logger=None,
     )

@@ -14,15 +14,22 @@ Each owning schema has (see a service's migrations):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
 import structlog
 from faststream.kafka import KafkaBroker
 
-from services.common.kafka import OutMessage
+from schemas import topics
+from schemas.health import AlertRaised, Severity
+from services.common.deadletter import dead_letter_for_message
+from services.common.errors import describe, refused_for_good
+from services.common.kafka import OutMessage, envelope_for
 
 log = structlog.get_logger()
 
@@ -64,6 +71,24 @@ async def add_to_outbox(
     return Staged(msgs, tuple(sorted(r["id"] for r in rows)))
 
 
+class Transaction:
+    """One open transaction of a service's batch step: claim the consumed event ids, write
+    the step's effects on `conn`, and `emit` the events to announce; they go to the outbox in
+    the same transaction (see OutboxRelay.transaction)."""
+
+    def __init__(self, conn: asyncpg.Connection, schema: str) -> None:
+        self.conn = conn
+        self.schema = schema
+        self.out: list[OutMessage] = []
+
+    async def claim(self, event_ids: Sequence[str]) -> set[str]:
+        """The ids not seen before; they count as processed once this transaction commits."""
+        return await claim_events(self.conn, self.schema, event_ids)
+
+    def emit(self, messages: Iterable[OutMessage]) -> None:
+        self.out.extend(messages)
+
+
 class OutboxRelay:
     """Publishes a schema's outbox, in order, and deletes what the broker acknowledged.
 
@@ -91,6 +116,18 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._queue: list[Staged] = []
         self._inflight: set[int] = set()
+        self.unpublishable = 0  # events the broker refused for good (dead-lettered)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Transaction]:
+        """The one transaction shape every outboxed step uses: effects, processed ids and
+        outbox commit together, and the outbox goes out at once after the commit. An error
+        inside rolls everything back (the consumer pipeline then retries or isolates)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            tx = Transaction(conn, self._schema)
+            yield tx
+            staged = await add_to_outbox(conn, self._schema, tx.out)
+        self.committed(staged)
 
     def committed(self, staged: Staged) -> None:
         """Publish these now; their transaction has committed."""
@@ -100,14 +137,85 @@ class OutboxRelay:
             self._wake.set()
 
     async def _publish(self, messages: Sequence[tuple[str, str, str, bytes]]) -> None:
-        futures = []
-        for topic, key, event_type, value in messages:
-            fut = await self._broker.publish(
-                value, topic, key=key.encode(), headers={"type": event_type}, no_confirm=True
-            )
-            futures.append(fut)
-        # The in-memory test broker delivers synchronously and hands back no future.
-        await asyncio.gather(*(f for f in futures if inspect.isawaitable(f)))
+        """Send `messages` and wait for the broker. A message the broker (or the producer)
+        refuses for good, e.g. too large, leaves as a dead letter with an alert, so it cannot
+        hold its batch-mates back; any other failure raises (all are tried again later)."""
+        outcomes = await self._send(messages)
+        refused = [
+            (msg, exc)
+            for msg, exc in zip(messages, outcomes, strict=True)
+            if exc is not None and refused_for_good(exc)
+        ]
+        retry = [exc for exc in outcomes if exc is not None and not refused_for_good(exc)]
+        if refused:
+            notices = [n for msg, exc in refused for n in self._unpublishable(msg, exc)]
+            failed = [exc for exc in await self._send(notices) if exc is not None]
+            if failed:
+                raise failed[0]
+        if retry:
+            raise retry[0]
+
+    async def _send(
+        self, messages: Sequence[tuple[str, str, str, bytes]]
+    ) -> list[BaseException | None]:
+        """The outcome of each message: None once the broker has it, else the error."""
+        outcomes: list[BaseException | None] = [None] * len(messages)
+        futures: list[tuple[int, Any]] = []
+        for i, (topic, key, event_type, value) in enumerate(messages):
+            try:
+                fut = await self._broker.publish(
+                    value, topic, key=key.encode(), headers={"type": event_type}, no_confirm=True
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the producer refused it before sending (e.g. size)
+                outcomes[i] = exc
+                continue
+            # The in-memory test broker delivers synchronously and hands back no future.
+            if inspect.isawaitable(fut):
+                futures.append((i, fut))
+        results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
+        for (i, _), result in zip(futures, results, strict=True):
+            if isinstance(result, BaseException):
+                outcomes[i] = result
+        return outcomes
+
+    def _unpublishable(
+        self, message: tuple[str, str, str, bytes], exc: BaseException
+    ) -> list[tuple[str, str, str, bytes]]:
+        topic, key, event_type, value = message
+        error = describe(exc)
+        producer = f"{self._schema}-outbox"
+        log.error(
+            "the broker refused an event; dead-lettered",
+            topic=topic,
+            key=key[:200],
+            event_type=event_type,
+            size=len(value),
+            error=error,
+        )
+        letter = dead_letter_for_message(topic, key, value, error, producer=producer)
+        alert = AlertRaised(
+            alert_id=f"unpublishable/{letter.envelope.event_id}",
+            severity=Severity.CRITICAL,
+            subject=f"outbox/{self._schema}",
+            cluster="",
+            cause="message_unpublishable",
+            suggested_action=(
+                f"The broker refused a {event_type} of {len(value):,} bytes for {topic} "
+                f"({error}); it is on {topics.DEAD_LETTER} (event {letter.envelope.event_id}). "
+                "Raise the topic's message size limit or shrink what produced it, then replay."
+            ),
+            first_seen=datetime.now(UTC),
+            count=1,
+        )
+        notice = OutMessage(
+            topics.ALERT_RAISED,
+            alert.subject,
+            envelope_for("AlertRaised", alert, producer=producer),
+        )
+        self.unpublishable += 1
+        return [(m.topic, m.key, m.envelope.type, m.encode()) for m in (letter, notice)]
 
     async def publish_committed(self) -> int:
         """Send what handlers staged, in commit order, then delete those rows."""
@@ -166,16 +274,18 @@ class OutboxRelay:
             return len(rows)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
+        loop = asyncio.get_running_loop()
+        last_scan = loop.time()
         while True:
-            woken = True
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval_s)
-            except TimeoutError:
-                woken = False
             self._wake.clear()
             try:
                 await self.publish_committed()
-                if not woken:
+                # The scan runs every interval even under steady load (when the relay is
+                # always woken), so a row whose publish failed is never left behind.
+                if loop.time() - last_scan >= interval_s:
+                    last_scan = loop.time()
                     await self.flush(min_age_s=self._stale_after_s)
             except Exception:
                 log.warning("outbox relay failed; will retry", exc_info=True)

@@ -25,6 +25,9 @@ class ServiceSettings(BaseSettings):
     # Tansu answers a waiting fetch only at its deadline, so this is the per-hop latency floor.
     fetch_max_wait_ms: int = 10
     max_batch_records: int = 500
+    # A consumer whose batch has failed (retryably) for this long raises one alert.raised
+    # (cause consumer_stalled); it goes on retrying with backoff either way.
+    stall_alert_after_s: float = 60.0
     db_pool_size: int = 4
     # Processed event ids are kept this long to skip redeliveries; housekeeping prunes older
     # ones this often (wall seconds). A record older than this must never be delivered again:

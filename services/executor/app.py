@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from core.fleet import load_fleet
 from schemas import topics
 from services.common.bootstrap import open_outboxed
-from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.consumer import Consumers, Records
 from services.common.kafka import (
     OutMessage,
     envelope_for,
@@ -65,19 +65,12 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     metrics = ExecutorMetrics(runtime.registry)
     state: dict[str, Executor] = {}
 
-    committer = OffsetCommitter()
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
     async def handle(records: Records) -> None:
         await state["executor"].process(records)
 
-    consume_batches(
-        broker,
-        *PAYLOADS,
-        group_id=f"executor-{cluster_name}",
-        settings=settings,
-        handle=handle,
-        committer=committer,
-    )
+    consumers.subscribe(*PAYLOADS, group_id=f"executor-{cluster_name}", handle=handle)
 
     async def finish_loop() -> None:
         while True:
@@ -139,7 +132,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     @runtime.on_startup
     async def start() -> None:
         pool, relay = await open_outboxed(
-            runtime, broker, committer, schema=schema_for(cluster_name), migrations=MIGRATIONS
+            runtime, broker, consumers, schema=schema_for(cluster_name), migrations=MIGRATIONS
         )
         store = ExecutorStore(pool, cluster_name)
         executor = Executor(

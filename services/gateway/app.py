@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from schemas import topics
-from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.consumer import Consumers, Records
 from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
@@ -37,7 +37,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(usage.router)
     holder: dict[str, Projector] = {}
 
-    committer = OffsetCommitter()
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
     async def handle(records: Records) -> None:
         await holder["projector"].process(records)
@@ -45,34 +45,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def usage_ticks(records: Records) -> None:
         await app.state.usage.process(records)
 
-    consume_batches(
-        broker,
-        *usage.USAGE_TOPICS,
-        group_id=f"{settings.group_id}-usage",
-        settings=settings,
-        handle=usage_ticks,
-        committer=committer,
+    consumers.subscribe(
+        *usage.USAGE_TOPICS, group_id=f"{settings.group_id}-usage", handle=usage_ticks
     )
 
     async def explanations(records: Records) -> None:
         await record_explanations(app.state.gateway.pool, records)
 
-    consume_batches(
-        broker,
-        topics.SCHEDULING_EXPLAINED,
-        group_id=f"{settings.group_id}-explain",
-        settings=settings,
-        handle=explanations,
-        committer=committer,
+    consumers.subscribe(
+        topics.SCHEDULING_EXPLAINED, group_id=f"{settings.group_id}-explain", handle=explanations
     )
-    consume_batches(
-        broker,
-        *PROJECTED,
-        group_id=settings.group_id,
-        settings=settings,
-        handle=handle,
-        committer=committer,
-    )
+    consumers.subscribe(*PROJECTED, group_id=settings.group_id, handle=handle)
 
     @runtime.on_startup
     async def start() -> None:
@@ -82,11 +65,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         holder["projector"] = Projector(pool, redis)
         app.state.usage = usage.UsageProjector(pool)
         app.state.gateway = Gateway(settings, pool, redis, broker, policy, tokens)
-        runtime.background(committer.run_forever)
+        consumers.probe = lambda: pool.fetchval("SELECT 1")
+        runtime.background(consumers.committer.run_forever)
         await broker.start()
 
         async def close() -> None:
-            await committer.flush()
+            await consumers.committer.flush()
             await broker.stop()
             await redis.aclose()
             await pool.close()

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from schemas.ids import new_id
 from services.common.bootstrap import open_outboxed
-from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.policyfile import read_yaml
 from services.common.runtime import Runtime, create_http_app
@@ -49,19 +49,12 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
     rules = load_rules(settings)
     metrics = HealthMetrics(runtime.registry)
     state: dict[str, HealthMonitor] = {}
-    committer = OffsetCommitter()
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
     async def handle(records: Records) -> None:
         await state["monitor"].process(records)
 
-    consume_batches(
-        broker,
-        *TOPICS,
-        group_id=settings.group_id,
-        settings=settings,
-        handle=handle,
-        committer=committer,
-    )
+    consumers.subscribe(*TOPICS, group_id=settings.group_id, handle=handle)
 
     async def check_loop() -> None:
         while True:
@@ -71,7 +64,7 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
     @runtime.on_startup
     async def start() -> None:
         pool, relay = await open_outboxed(
-            runtime, broker, committer, schema=store.SCHEMA, migrations=store.MIGRATIONS
+            runtime, broker, consumers, schema=store.SCHEMA, migrations=store.MIGRATIONS
         )
         book = await store.load_book(pool)
         state["monitor"] = HealthMonitor(

@@ -11,7 +11,7 @@ import contextlib
 
 from fastapi import FastAPI
 
-from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.consumer import Consumers, Records
 from services.common.db import create_pool
 from services.common.housekeeping import start_housekeeping
 from services.common.kafka import make_broker
@@ -41,19 +41,12 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
     grid = Grid.of(settings.meter_interval_s, settings.time_scale)
     metrics = MeterMetrics(runtime.registry)
     state: dict[str, Meter] = {}
-    committer = OffsetCommitter()
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
     async def handle(records: Records) -> None:
         await state["meter"].process(records, full=settings.max_batch_records)
 
-    consume_batches(
-        broker,
-        *TOPICS,
-        group_id=settings.group_id,
-        settings=settings,
-        handle=handle,
-        committer=committer,
-    )
+    consumers.subscribe(*TOPICS, group_id=settings.group_id, handle=handle)
 
     async def clock() -> None:
         meter = state["meter"]
@@ -88,13 +81,14 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
         await meter.restore()
         state["meter"] = meter
         runtime.background(relay.run_forever)
-        runtime.background(committer.run_forever)
+        consumers.probe = lambda: pool.fetchval("SELECT 1")
+        runtime.background(consumers.committer.run_forever)
         runtime.background(clock)
         start_housekeeping(runtime, pool, store.SCHEMA)
         await broker.start()
 
         async def close() -> None:
-            await committer.flush()
+            await consumers.committer.flush()
             await broker.stop()
             await producer.stop()
             await pool.close()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import murmur2
 
 from services.common.kafka import MAX_PRODUCER_BATCH
@@ -22,14 +23,14 @@ Pending = tuple[bytes, bytes, Sequence[tuple[str, bytes]], asyncio.Future[Any]]
 
 
 def relay_producer(bootstrap: str, client_id: str) -> AIOKafkaProducer:
-    """A producer with the settings of the broker factory (large batches, acks=1)."""
+    """A producer with the settings of the broker factory (large batches, acks=all)."""
     return AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         client_id=client_id,
         max_batch_size=MAX_PRODUCER_BATCH,
         max_request_size=4 * MAX_PRODUCER_BATCH,
         linger_ms=1,
-        acks=1,
+        acks="all",
     )
 
 
@@ -86,7 +87,14 @@ class BatchPublisher:
                         break  # full: the rest go in the next batch
                     end += 1
                 if end == start:
-                    raise ValueError(f"a message for {topic} is larger than a whole batch")
+                    # Larger than a whole batch: refused on its own, its batch-mates go on.
+                    done = items[start][3]
+                    if not done.done():
+                        done.set_exception(
+                            MessageSizeTooLargeError(f"a message for {topic} exceeds a batch")
+                        )
+                    start += 1
+                    continue
                 sent = await self.producer.send_batch(batch, topic, partition=partition)
                 await sent
                 for *_, done in items[start:end]:

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from fastapi import FastAPI
 
 from services.common.bootstrap import open_outboxed
-from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.consumer import Consumers, Records
 from services.common.housekeeping import processed_events_pruner
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
@@ -39,19 +39,12 @@ def create_app(settings: PreemptorSettings | None = None) -> FastAPI:
     limits = Limits.of(policy, time_scale=settings.time_scale, victim_wait_s=settings.victim_wait_s)
     metrics = PreemptorMetrics(runtime.registry)
     state: dict[str, Preemptor] = {}
-    committer = OffsetCommitter()
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
     async def handle(records: Records) -> None:
         await state["preemptor"].process(records)
 
-    consume_batches(
-        broker,
-        *TOPICS,
-        group_id=settings.group_id,
-        settings=settings,
-        handle=handle,
-        committer=committer,
-    )
+    consumers.subscribe(*TOPICS, group_id=settings.group_id, handle=handle)
 
     async def timer_loop() -> None:
         await state["preemptor"].run_timer(settings.timer_interval_s, settings.answer_check_s)
@@ -65,7 +58,7 @@ def create_app(settings: PreemptorSettings | None = None) -> FastAPI:
         pool, relay = await open_outboxed(
             runtime,
             broker,
-            committer,
+            consumers,
             schema=store.SCHEMA,
             migrations=store.MIGRATIONS,
             pruners={

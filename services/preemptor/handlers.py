@@ -19,7 +19,7 @@ from core.policy import Policy
 from schemas.envelope import Envelope
 from services.common.kafka import OutMessage
 from services.common.logging import bind_event
-from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
+from services.common.outbox import OutboxRelay
 from services.preemptor import emit, store
 from services.preemptor.guards import (
     Cancel,
@@ -132,8 +132,9 @@ class Preemptor:
         requests = {got.request.id: got for got in batch.requests}  # a batch may repeat one
         effects = Effects(messages=list(batch.dead))
         now = self.clock()
-        async with self.pool.acquire() as conn, conn.transaction():
-            fresh = await claim_events(conn, store.SCHEMA, list(requests))
+        async with self.relay.transaction() as tx:
+            conn = tx.conn
+            fresh = await tx.claim(list(requests))
             # Facts first: a victim's job.started in the same batch as its request counts.
             await store.save_facts(conn, batch.facts.values())
             if batch.epoch:
@@ -143,8 +144,7 @@ class Preemptor:
             for got in taken:
                 await self._take(conn, got, now, effects)
             effects.done = await store.runs_ended(conn, batch.ends, now)
-            staged = await add_to_outbox(conn, store.SCHEMA, effects.messages)
-        self.relay.committed(staged)
+            tx.emit(effects.messages)
         self.metrics.dead.inc(len(batch.dead))
         self._report(effects)
         return effects
@@ -181,7 +181,8 @@ class Preemptor:
         is the only sign that more may be due right now."""
         now = self.clock()
         effects = Effects()
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.relay.transaction() as tx:
+            conn = tx.conn
             rows = await store.claim_due(conn, now, self.timer_batch)
             if not rows:
                 return 0
@@ -213,8 +214,7 @@ class Preemptor:
                 decision = decide_request(req, situation, self.policy, self.limits, now)
                 if not isinstance(decision, Hold | Ignore):
                     await self._apply(conn, req, cause, decision, now, effects)
-            staged = await add_to_outbox(conn, store.SCHEMA, effects.messages)
-        self.relay.committed(staged)
+            tx.emit(effects.messages)
         self._report(effects)
         return len(effects.decided)
 
@@ -224,12 +224,10 @@ class Preemptor:
         the job facts are settled as done first (see store.settle_ended)."""
         now = self.clock()
         before = now - timedelta(seconds=self.stop_answer_timeout_s)
-        async with self.pool.acquire() as conn, conn.transaction():
-            settled = await store.settle_ended(conn, now)
-            late = await store.claim_unanswered(conn, before, now, self.timer_batch)
-            messages = [emit.unanswered(req, at, (now - at).total_seconds()) for req, at in late]
-            staged = await add_to_outbox(conn, store.SCHEMA, messages)
-        self.relay.committed(staged)
+        async with self.relay.transaction() as tx:
+            settled = await store.settle_ended(tx.conn, now)
+            late = await store.claim_unanswered(tx.conn, before, now, self.timer_batch)
+            tx.emit(emit.unanswered(req, at, (now - at).total_seconds()) for req, at in late)
         for _req, ended_by in settled:
             self.metrics.done.labels(ended_by).inc()
         for req, at in late:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from services.common.bootstrap import open_outboxed
-from services.common.consumer import OffsetCommitter, Records, consume_batches
+from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
 from services.queue import store
 from services.queue.handlers import QueueMetrics, QueueProcessor
-from services.queue.intake import LIFECYCLE_TOPICS, REQUEST_TOPICS
+from services.queue.intake import LIFECYCLE_TOPICS, REQUEST_TOPICS, answer_given_up
 from services.queue.settings import QueueSettings
 
 NAME = "queue"
@@ -25,34 +25,29 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
     metrics = QueueMetrics(runtime.registry)
     state: dict[str, QueueProcessor] = {}
 
-    committer = OffsetCommitter()
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
     async def handle(records: Records) -> None:
         await state["processor"].process(records)
 
-    consume_batches(
-        broker,
+    consumers.subscribe(
         *REQUEST_TOPICS,
         group_id=settings.group_id,
-        settings=settings,
         handle=handle,
-        committer=committer,
+        give_up=answer_given_up,
     )
     # Lifecycle events are not on any job's way to a placement: fetch them less eagerly.
-    consume_batches(
-        broker,
+    consumers.subscribe(
         *LIFECYCLE_TOPICS,
         group_id=f"{settings.group_id}-lifecycle",
-        settings=settings,
         handle=handle,
-        committer=committer,
         fetch_max_wait_ms=settings.lifecycle_fetch_max_wait_ms,
     )
 
     @runtime.on_startup
     async def start() -> None:
         pool, relay = await open_outboxed(
-            runtime, broker, committer, schema=store.SCHEMA, migrations=store.MIGRATIONS
+            runtime, broker, consumers, schema=store.SCHEMA, migrations=store.MIGRATIONS
         )
         state["processor"] = QueueProcessor(
             pool, relay, policy, metrics, time_scale=settings.time_scale

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from core.policy import Policy
 from schemas.events import JobPreempted, RunFailed
-from services.common.outbox import OutboxRelay, add_to_outbox, claim_events
+from services.common.outbox import OutboxRelay
 from services.queue import store
 from services.queue.intake import LifecycleEvent, NewJob, read_batch
 from services.queue.planning import Plan, item_event_id, item_job_id, plan_batch
@@ -67,8 +67,9 @@ class QueueProcessor:
                 if eid not in seen:
                     seen.add(eid)
                     unique.append(item)
-            async with self.pool.acquire() as conn, conn.transaction():
-                fresh = await claim_events(conn, store.SCHEMA, [item_event_id(i) for i in unique])
+            async with self.relay.transaction() as tx:
+                conn = tx.conn
+                fresh = await tx.claim([item_event_id(i) for i in unique])
                 todo = [i for i in unique if item_event_id(i) in fresh]
                 job_ids = {j for j in (item_job_id(i) for i in todo) if j}
                 await store.serialize_jobs(conn, job_ids)
@@ -108,8 +109,7 @@ class QueueProcessor:
                 await store.add_history(conn, plan.history)
                 await store.add_rejections(conn, plan.rejections)
                 await store.add_early_cancels(conn, plan.early_cancels)
-                staged = await add_to_outbox(conn, store.SCHEMA, [*dead, *plan.emits])
-            self.relay.committed(staged)
+                tx.emit([*dead, *plan.emits])
         self._count(plan, len(dead), len(unique) - len(todo))
         return plan
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +16,11 @@ from schemas.events import (
     JobCancelRequested,
     JobFinished,
     JobPreempted,
+    JobRejected,
     JobStarted,
     PlacementDecided,
     PlacementRefused,
+    RejectReason,
     RunFailed,
 )
 from schemas.usage import BudgetExceeded
@@ -28,7 +31,7 @@ from schemas.validation import (
     parse_submission,
 )
 from services.common.deadletter import dead_letter, decode_envelopes
-from services.common.kafka import OutMessage
+from services.common.kafka import OutMessage, envelope_for
 
 CONSUMER = "queue"
 
@@ -121,3 +124,45 @@ def _read_submission(record: ConsumerRecord[Any, Any]) -> Item:
     event_id = identity if parsed.bare else parsed.envelope.event_id
     job_id = parsed.spec.job_id or identity
     return NewJob(event_id, job_id, parsed)
+
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def _safe(value: str | None) -> str | None:
+    return value if value is not None and _SAFE_ID.fullmatch(value) else None
+
+
+def answer_given_up(record: ConsumerRecord[Any, Any], error: str) -> list[OutMessage]:
+    """The submitter's answer when the queue gave a submission up (it could not be stored):
+    a `job.rejected` (reason `unprocessable`) under the job id the queue would have used, so
+    the job does not stay `submitted` for good. Ids taken from the record only when they are
+    plainly safe; nothing here may fail on what the record holds."""
+    if record.topic != topics.JOB_SUBMITTED:
+        return []
+    job_id: str | None = record_identity(record)
+    tenant = idem = None
+    try:
+        parsed = parse_submission(record.value or b"")
+    except Exception:  # whatever made the queue give up may make this fail too
+        parsed = None
+    if isinstance(parsed, Unparseable):
+        job_id = _safe(parsed.job_id) or job_id
+        tenant, idem = _safe(parsed.tenant), _safe(parsed.idempotency_key)
+    elif parsed is not None:
+        spec = parsed.spec
+        job_id = _safe(spec.job_id) or job_id
+        tenant, idem = _safe(spec.tenant), _safe(spec.idempotency_key)
+    event = JobRejected(
+        job_id=job_id,
+        reason_code=RejectReason.UNPROCESSABLE,
+        message=f"the queue could not store this submission ({error[:500]}); it was dead-lettered",
+        idempotency_key=idem,
+    )
+    return [
+        OutMessage(
+            topics.JOB_REJECTED,
+            job_id or "unknown",
+            envelope_for("JobRejected", event, producer=CONSUMER, tenant=tenant),
+        )
+    ]

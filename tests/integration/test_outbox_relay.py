@@ -1,0 +1,85 @@
+"""The outbox relay against the real broker and PostgreSQL: an event the broker refuses for
+good leaves the outbox as a dead letter with an alert, and its batch-mates are delivered."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import asyncpg
+import pytest
+
+from schemas import topics
+from services.common.kafka import MAX_PRODUCER_BATCH, OutMessage, envelope_for, make_broker
+from services.common.outbox import OutboxRelay, add_to_outbox
+from services.common.settings import ServiceSettings
+from tests.integration.kafka_tools import collect
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_message_the_broker_refuses_is_dead_lettered_and_its_neighbours_go_out(
+    topics_ready: str, fresh_database_url: str
+) -> None:
+    schema = "relay_test"
+    pool = await asyncpg.create_pool(fresh_database_url, min_size=1, max_size=2)
+    assert pool is not None
+    await pool.execute(
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
+        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
+        " created_at timestamptz NOT NULL DEFAULT now())"
+    )
+    broker = make_broker(ServiceSettings(kafka_bootstrap=topics_ready), "relay-test")
+    await broker.connect()
+    run = uuid.uuid4().hex[:8]
+
+    def cancel(job: str, reason: str) -> OutMessage:
+        # A plain payload: the wire types would refuse a reason this long before any relay.
+        event = {"job_id": job, "requested_by": "relay-test", "reason": reason}
+        return OutMessage(
+            topics.JOB_CANCEL_REQUESTED,
+            job,
+            envelope_for("JobCancelRequested", event, producer="relay-test"),
+        )
+
+    # Larger than the producer's max request: refused whatever is retried.
+    huge = cancel(f"{run}-huge", "x" * (5 * MAX_PRODUCER_BATCH))
+    small = [cancel(f"{run}-{i}", "fine") for i in range(3)]
+    try:
+        relay = OutboxRelay(pool, broker, schema)
+        async with pool.acquire() as conn:
+            staged = await add_to_outbox(conn, schema, [small[0], huge, *small[1:]])
+        relay.committed(staged)
+        assert await relay.publish_committed() == 4
+        assert await pool.fetchval(f"SELECT count(*) FROM {schema}.outbox") == 0
+        assert relay.unpublishable == 1
+
+        def ours(topic: str, env: dict[str, Any]) -> bool:
+            if topic == topics.ALERT_RAISED:
+                return env["payload"].get("subject") == f"outbox/{schema}"
+            return run in json.dumps(env)
+
+        got = await collect(
+            topics_ready,
+            (topics.JOB_CANCEL_REQUESTED, topics.DEAD_LETTER, topics.ALERT_RAISED),
+            ours,
+            count=5,
+            timeout_s=30,
+        )
+        by_topic: dict[str, list[dict[str, Any]]] = {}
+        for topic, env in got:
+            by_topic.setdefault(topic, []).append(env)
+        delivered = {e["payload"]["job_id"] for e in by_topic[topics.JOB_CANCEL_REQUESTED]}
+        assert delivered == {f"{run}-{i}" for i in range(3)}
+        [letter] = by_topic[topics.DEAD_LETTER]
+        assert letter["payload"]["reason"] == "unpublishable"
+        assert letter["payload"]["source_topic"] == topics.JOB_CANCEL_REQUESTED
+        assert letter["payload"]["size"] > 5 * MAX_PRODUCER_BATCH
+        assert "MessageSizeTooLarge" in letter["payload"]["error"]
+        [alert] = by_topic[topics.ALERT_RAISED]
+        assert alert["payload"]["cause"] == "message_unpublishable"
+        assert letter["event_id"] in alert["payload"]["suggested_action"]
+    finally:
+        await broker.stop()
+        await pool.close()
