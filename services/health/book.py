@@ -126,6 +126,8 @@ class Draft:
         self.rules = rules
         self.new_id = new_id
         self.changes = Changes()
+        # Heartbeats and probes about nodes no executor's inventory lists: ignored, counted.
+        self.unknown_signals = 0
 
     def node(self, node_id: str) -> NodeHealth | None:
         return self.changes.nodes.get(node_id) or self.book.nodes.get(node_id)
@@ -184,8 +186,14 @@ class Draft:
 
 
 def heartbeats_seen(draft: Draft, beats: Iterable[Beat]) -> None:
+    """Only nodes an inventory listed are watched: a heartbeat about any other node (a
+    foreign producer's, a decommissioned node's) would otherwise add a node that then goes
+    dark, with an incident and an alert, and lets anyone grow the book without bound."""
     for beat in beats:
-        node = draft.node(beat.node_id) or NodeHealth(beat.node_id, beat.cluster)
+        node = draft.node(beat.node_id)
+        if node is None:
+            draft.unknown_signals += 1
+            continue
         draft.put(machine.heartbeat(node, beat.at, draft.rules.timings))
 
 
@@ -204,10 +212,10 @@ def probes_seen(draft: Draft, probes: Iterable[Seen], now: datetime) -> int:
         if rule is None:
             unmatched += 1
             continue
-        # A probe proves the node is up even if its heartbeats have not reached us yet.
-        node = draft.node(seen.node_id) or NodeHealth(
-            seen.node_id, seen.cluster, last_heard=seen.at
-        )
+        node = draft.node(seen.node_id)
+        if node is None:  # no inventory lists it (see heartbeats_seen)
+            draft.unknown_signals += 1
+            continue
         signal = Signal(rule.name, seen.at, seen.label())
         node, verdict, behind = machine.probe(node, rule, signal, now)
         if verdict == Verdict.QUARANTINE:

@@ -45,6 +45,11 @@ class HealthMetrics:
         self.unmatched = Counter(
             "qm_health_probes_unmatched_total", "Probes no rule matched", registry=registry
         )
+        self.unknown = Counter(
+            "qm_health_unknown_node_signals_total",
+            "Heartbeats and probes about nodes no executor's inventory lists (ignored)",
+            registry=registry,
+        )
         self.dead = Counter(
             "qm_health_dead_letters_total", "Records dead-lettered", registry=registry
         )
@@ -122,6 +127,7 @@ class HealthMonitor:
                 staged = await self._write(conn, draft.changes, batch.dead)
             self._committed(draft.changes, staged)
             self.metrics.unmatched.inc(unmatched)
+            self.metrics.unknown.inc(draft.unknown_signals)
             self.metrics.progress.labels("judged").inc(len(batch.progress) - ignored)
             self.metrics.progress.labels("ignored").inc(ignored)
             self.metrics.dead.inc(len(batch.dead))

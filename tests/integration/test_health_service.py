@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,9 @@ def probe(node: str, kind: str, **extra: Any) -> tuple[str, bytes]:
 
 @contextlib.asynccontextmanager
 async def heartbeating(bootstrap: str, nodes: set[str]) -> AsyncIterator[set[str]]:
-    """Heartbeats for every node in the (mutable) set, every BEAT_EVERY_S, until the block ends."""
+    """Heartbeats for every node in the (mutable) set, every BEAT_EVERY_S, until the block ends.
+    The nodes' executor lists them first: health watches only inventoried nodes."""
+    await list_nodes(bootstrap, nodes)
 
     async def beat() -> None:
         while True:
@@ -85,6 +87,44 @@ async def heartbeating(bootstrap: str, nodes: set[str]) -> AsyncIterator[set[str
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def list_nodes(bootstrap: str, nodes: Iterable[str]) -> None:
+    """What an executor publishes at start: its cluster's inventory (cluster.capacity)."""
+    by_cluster: dict[str, list[str]] = {}
+    for n in sorted(nodes):
+        by_cluster.setdefault(n.rsplit("-", 1)[0], []).append(n)
+    info = {
+        "block": "b0",
+        "rack": "r0",
+        "nvlink_domain": "d0",
+        "accelerator_type": "a100",
+        "generation": "ampere",
+        "accelerator_memory_gb": 80,
+        "relative_speed": 1.0,
+        "accelerators": 8,
+        "cpu": 96,
+        "memory_gb": 1024,
+        "price_tier": "on_demand",
+    }
+    await produce(
+        bootstrap,
+        topics.CLUSTER_CAPACITY,
+        [
+            (
+                cluster,
+                envelope(
+                    "ClusterCapacity",
+                    cluster=cluster,
+                    location="on_prem",
+                    kind="on_prem",
+                    prices={},
+                    nodes=[{"node_id": n, **info} for n in members],
+                ),
+            )
+            for cluster, members in by_cluster.items()
+        ],
+    )
 
 
 def about(run: str) -> Callable[[str, dict[str, Any]], bool]:

@@ -19,6 +19,7 @@ from services.health.book import (
     Seen,
     check,
     heartbeats_seen,
+    inventory_seen,
     probes_seen,
 )
 from services.health.machine import NodeState
@@ -118,14 +119,25 @@ class Fleet:
         return d.changes
 
     def beats(self, t: float, *nodes: str) -> Changes:
+        """Heartbeats; a node heard of for the first time is listed by its executor first
+        (only inventoried nodes are watched)."""
         d = self._draft()
+        self._list(d, nodes, t)
         heartbeats_seen(d, [beat(n, t) for n in nodes])
         return self._apply(d)
 
     def probes(self, now: float, *seen: Seen) -> Changes:
         d = self._draft()
+        self._list(d, [s.node_id for s in seen], min((s.at for s in seen), default=at(now)))
         probes_seen(d, seen, at(now))
         return self._apply(d)
+
+    @staticmethod
+    def _list(d: Draft, nodes: Iterable[str], when: float | datetime) -> None:
+        stamp = when if isinstance(when, datetime) else at(when)
+        for n in nodes:
+            if d.node(n) is None:
+                inventory_seen(d, cluster_of(n), [n], stamp)
 
     def check(self, now: float) -> Changes:
         d = self._draft()

@@ -6,9 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.health import SignalKind
+from services.health.book import heartbeats_seen, probes_seen
 from services.health.machine import NodeState
 from services.health.rules import HEARTBEAT_LOST
-from tests.unit.health.builders import Fleet, at, probe
+from tests.unit.health.builders import Fleet, at, beat, probe
 
 XID = SignalKind.GPU_XID
 
@@ -45,7 +46,20 @@ def test_an_unknown_xid_needs_three_in_its_window() -> None:
 def test_a_probe_no_rule_matches_is_ignored() -> None:
     f = Fleet()
     f.probes(1, probe("a-1", 1, SignalKind.DISK_FULL))  # the test rules have no disk rule
-    assert f.alerts() == [] and "a-1" not in f.book.nodes
+    assert f.alerts() == [] and f.book.nodes["a-1"].recent == ()
+
+
+def test_signals_about_nodes_no_inventory_lists_are_ignored_and_counted() -> None:
+    f = Fleet()
+    d = f._draft()
+    heartbeats_seen(d, [beat("ghost-1", 1)])
+    probes_seen(d, [probe("ghost-2", 1, XID, 79)], at(1))
+    changes = f._apply(d)
+    assert d.unknown_signals == 2
+    assert changes.nodes == {} and f.book.nodes == {}
+    # Never watched, so never dark: no incident, no alert however long it stays silent.
+    f.check(600)
+    assert f.alerts() == [] and f.book.nodes == {}
 
 
 def test_a_flapping_node_is_quarantined_once_and_stays_out_while_it_flaps() -> None:
