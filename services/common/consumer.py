@@ -24,7 +24,6 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -36,11 +35,9 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from schemas import topics
-from schemas.health import AlertRaised, Severity
-from services.common.deadletter import dead_letter
+from services.common.deadletter import dead_letter, platform_alert
 from services.common.errors import Failure, classify, describe
-from services.common.kafka import OutMessage, envelope_for, publish_all, records_of
+from services.common.kafka import OutMessage, publish_all, records_of
 from services.common.settings import ServiceSettings
 
 log = structlog.get_logger()
@@ -198,7 +195,7 @@ class Consumers:
         async def on_batch(message: KafkaMessage) -> None:
             records = records_of(message)
             await group.run(records)
-            self.committer.add(message.consumer, records)  # type: ignore[arg-type]
+            self.committer.add(message.consumer, records)
 
         on_batch.__name__ = f"on_{group_id.replace('-', '_')}"
         subscriber(on_batch)
@@ -338,24 +335,16 @@ class Group:
         self, record: ConsumerRecord[Any, Any], exc: Exception, stalled: float
     ) -> bool:
         service = self.owner.service
-        alert = AlertRaised(
+        message = platform_alert(
             alert_id=f"consumer/{self.group_id}/{int(time.time())}",
-            severity=Severity.CRITICAL,
             subject=f"consumer/{self.group_id}",
-            cluster="",
             cause="consumer_stalled",
-            suggested_action=(
+            action=(
                 f"{service} has not applied {record.topic}[{record.partition}] from offset "
                 f"{record.offset} for {stalled:.0f} s: {describe(exc)}. Check the service's "
                 "log and the stores it writes to (PostgreSQL, Redis, the broker)."
             ),
-            first_seen=datetime.now(UTC),
-            count=1,
-        )
-        message = OutMessage(
-            topics.ALERT_RAISED,
-            alert.subject,
-            envelope_for("AlertRaised", alert, producer=service),
+            producer=service,
         )
         try:
             await asyncio.wait_for(self.owner.publish([message]), 10.0)

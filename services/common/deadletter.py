@@ -6,6 +6,7 @@ import base64
 import hashlib
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import ConsumerRecord
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 from schemas import topics
 from schemas.envelope import Envelope
 from schemas.events import DeadLetter, LeaderFence
+from schemas.health import AlertRaised, Severity
 from schemas.registry import upcast
 from schemas.validation import describe_validation_error
 from services.common.kafka import OutMessage, decode_key, envelope_for
@@ -95,6 +97,26 @@ def _letter(
         topics.DEAD_LETTER,
         topic,
         envelope_for("DeadLetter", payload, producer=consumer, tenant=safe_tenant),
+    )
+
+
+def platform_alert(
+    *, alert_id: str, subject: str, cause: str, action: str, producer: str
+) -> OutMessage:
+    """A critical `alert.raised` about the platform itself (a stalled consumer, an event the
+    broker refused): not about a node or a cluster, so `cluster` is empty."""
+    alert = AlertRaised(
+        alert_id=alert_id,
+        severity=Severity.CRITICAL,
+        subject=subject,
+        cluster="",
+        cause=cause,
+        suggested_action=action,
+        first_seen=datetime.now(UTC),
+        count=1,
+    )
+    return OutMessage(
+        topics.ALERT_RAISED, subject, envelope_for("AlertRaised", alert, producer=producer)
     )
 
 

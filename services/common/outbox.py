@@ -18,7 +18,6 @@ import contextlib
 import inspect
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -26,10 +25,9 @@ import structlog
 from faststream.kafka import KafkaBroker
 
 from schemas import topics
-from schemas.health import AlertRaised, Severity
-from services.common.deadletter import dead_letter_for_message
+from services.common.deadletter import dead_letter_for_message, platform_alert
 from services.common.errors import describe, refused_for_good
-from services.common.kafka import OutMessage, envelope_for
+from services.common.kafka import OutMessage
 
 log = structlog.get_logger()
 
@@ -195,24 +193,16 @@ class OutboxRelay:
             error=error,
         )
         letter = dead_letter_for_message(topic, key, value, error, producer=producer)
-        alert = AlertRaised(
+        notice = platform_alert(
             alert_id=f"unpublishable/{letter.envelope.event_id}",
-            severity=Severity.CRITICAL,
             subject=f"outbox/{self._schema}",
-            cluster="",
             cause="message_unpublishable",
-            suggested_action=(
+            action=(
                 f"The broker refused a {event_type} of {len(value):,} bytes for {topic} "
                 f"({error}); it is on {topics.DEAD_LETTER} (event {letter.envelope.event_id}). "
                 "Raise the topic's message size limit or shrink what produced it, then replay."
             ),
-            first_seen=datetime.now(UTC),
-            count=1,
-        )
-        notice = OutMessage(
-            topics.ALERT_RAISED,
-            alert.subject,
-            envelope_for("AlertRaised", alert, producer=producer),
+            producer=producer,
         )
         self.unpublishable += 1
         return [(m.topic, m.key, m.envelope.type, m.encode()) for m in (letter, notice)]
