@@ -13,7 +13,7 @@ from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common.kafka import OutMessage
-from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
+from services.common.outbox import OutboxRelay, Transaction
 from services.health import store, stragglers
 from services.health.book import (
     Changes,
@@ -114,8 +114,8 @@ class HealthMonitor:
                 self.watch_from = now
             batch = read_batch(records, now)
             probes = {eid: seen for eid, seen in batch.probes}  # a batch may repeat a record
-            async with self.pool.acquire() as conn, conn.transaction():
-                fresh = await claim_events(conn, store.SCHEMA, list(probes))
+            async with self.relay.transaction() as tx:
+                fresh = await tx.claim(list(probes))
                 draft = Draft(self.book, self.rules, self.new_id)
                 for inv in batch.inventories:
                     inventory_seen(draft, inv.cluster, inv.node_ids, inv.at)
@@ -124,8 +124,8 @@ class HealthMonitor:
                     draft, [s for eid, s in probes.items() if eid in fresh], now
                 )
                 ignored = stragglers.progress_seen(draft, batch.progress, now)
-                staged = await self._write(conn, draft.changes, batch.dead)
-            self._committed(draft.changes, staged)
+                await self._write(tx, draft.changes, batch.dead)
+            self._committed(draft.changes)
             self.metrics.unmatched.inc(unmatched)
             self.metrics.unknown.inc(draft.unknown_signals)
             self.metrics.progress.labels("judged").inc(len(batch.progress) - ignored)
@@ -141,22 +141,19 @@ class HealthMonitor:
             check(draft, now, self.watch_from)
             stragglers.expired(draft, now, self.watch_from)
             if draft.changes:
-                async with self.pool.acquire() as conn, conn.transaction():
-                    staged = await self._write(conn, draft.changes, [])
-                self._committed(draft.changes, staged)
+                async with self.relay.transaction() as tx:
+                    await self._write(tx, draft.changes, [])
+                self._committed(draft.changes)
             return draft.changes
 
-    async def _write(
-        self, conn: asyncpg.Connection, changes: Changes, dead: list[OutMessage]
-    ) -> Staged:
-        await store.save(conn, changes)
-        return await add_to_outbox(conn, store.SCHEMA, [*dead, *messages_for(changes)])
+    async def _write(self, tx: Transaction, changes: Changes, dead: list[OutMessage]) -> None:
+        await store.save(tx.conn, changes)
+        tx.emit([*dead, *messages_for(changes)])
 
-    def _committed(self, changes: Changes, staged: Staged) -> None:
+    def _committed(self, changes: Changes) -> None:
         # Memory follows the store only after the commit: a failed transaction leaves the
-        # book as it was and the batch is redelivered against it.
+        # book as it was and the batch is tried again against it.
         self.book.apply(changes)
-        self.relay.committed(staged)
         self._count(changes)
 
     def _count(self, changes: Changes) -> None:

@@ -19,7 +19,7 @@ from prometheus_client import Counter as Metric
 from schemas.envelope import utcnow
 from schemas.usage import BudgetExceeded, TickKind
 from services.common.kafka import OutMessage
-from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
+from services.common.outbox import OutboxRelay
 from services.meter import store
 from services.meter.budgets import (
     MeterConfig,
@@ -118,8 +118,9 @@ class Meter:
             self.caught_up.set()
 
     async def _apply(self, facts: list[tuple[str, Any]], dead: list[OutMessage]) -> None:
-        async with self.pool.acquire() as conn, conn.transaction():
-            fresh = await claim_events(conn, store.SCHEMA, [e for e, _ in facts])
+        async with self.relay.transaction() as tx:
+            conn = tx.conn
+            fresh = await tx.claim([e for e, _ in facts])
             todo = [f for e, f in facts if e in fresh]
             keys = {k for k in map(fact_key, todo) if k is not None}
             known = {k: self.open[k] for k in keys if k in self.open}
@@ -127,8 +128,7 @@ class Meter:
             applied = apply_facts(todo, known, self.book, self.grid)
             await store.save_runs(conn, list(applied.states.values()))
             await store.save_pools(conn, applied.pools)
-            staged = await self._write(conn, applied.ticks, dead)
-        self.relay.committed(staged)
+            tx.emit(await self._write(conn, applied.ticks, dead))
         for key, state in applied.states.items():
             if state.phase is Phase.OPEN:
                 self.open[key] = state
@@ -157,14 +157,14 @@ class Meter:
                 idle = None if held else self._idle_range(now)
                 if not ticks and idle is None:
                     return held
-                async with self.pool.acquire() as conn, conn.transaction():
+                async with self.relay.transaction() as tx:
+                    conn = tx.conn
                     new = await self._record(conn, ticks)
                     await store.save_billed(conn, changed)
                     if idle is not None:  # after this pass's usage is counted
                         new += await self._record(conn, await self._idle(conn, *idle))
                         await store.set_idle_through(conn, idle[1])
-                    staged = await self._announce(conn, new, [])
-                self.relay.committed(staged)
+                    tx.emit(await self._announce(conn, new, []))
                 for state in changed:
                     self.open[state.key] = state
                 if idle is not None:
@@ -197,24 +197,23 @@ class Meter:
 
     async def _write(
         self, conn: asyncpg.Connection, ticks: list[Tick], extra: list[OutMessage]
-    ) -> Staged:
+    ) -> list[OutMessage]:
         return await self._announce(conn, await self._record(conn, ticks), extra)
 
     async def _announce(
         self, conn: asyncpg.Connection, new: list[Tick], extra: list[OutMessage]
-    ) -> Staged:
+    ) -> list[OutMessage]:
         """Budget counters and the outbox for ticks new to the ledger (a replay adds none)."""
         budget_events = await self._budgets(conn, new)
         for kind, n in Counter(t.kind for t in new).items():
             self.metrics.ticks.labels(kind).inc(n)
         self.metrics.credits.inc(sum(1 for t in new if t.kind is CLOSE and t.seconds_u < 0))
         self.metrics.budget_events.inc(len(budget_events))
-        messages = [
+        return [
             *extra,
             *tick_messages(new, self.grid, self.config.currency),
             *budget_messages(budget_events),
         ]
-        return await add_to_outbox(conn, store.SCHEMA, messages)
 
     async def _budgets(self, conn: asyncpg.Connection, new: list[Tick]) -> list[BudgetExceeded]:
         deltas = usage_deltas(new)
