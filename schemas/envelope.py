@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.bounds import MAX_RECORD_BYTES, Identifier, Name, WireError, parse_json
 from schemas.ids import new_id
 
 
@@ -21,16 +22,25 @@ class Envelope(BaseModel):
     consumers upcast old versions (schemas.registry) before validating.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    event_id: str = Field(default_factory=new_id, description="Unique, time-sortable id.")
-    type: str = Field(description="Event or command name, e.g. JobSubmitted.")
-    version: int = Field(default=1, ge=1)
+    event_id: Identifier = Field(default_factory=new_id, description="Unique, time-sortable id.")
+    type: Identifier = Field(description="Event or command name, e.g. JobSubmitted.")
+    version: int = Field(default=1, ge=1, le=1000)
     occurred_at: datetime = Field(default_factory=utcnow)
-    producer: str = Field(default="external", description="Service or system that wrote it.")
-    tenant: str | None = None
-    trace_id: str = Field(default_factory=new_id)
-    causation_id: str | None = Field(
+    producer: Identifier = Field(default="external", description="Service or system that wrote it.")
+    tenant: Name | None = None
+    trace_id: Identifier = Field(default_factory=new_id)
+    causation_id: Identifier | None = Field(
         default=None, description="event_id of the message that caused this one."
     )
     payload: dict[str, Any] = Field(default_factory=dict)
+
+
+def parse_envelope(raw: bytes | str, *, max_bytes: int = MAX_RECORD_BYTES) -> Envelope:
+    """A record's envelope, strictly: bounded, strict JSON (schemas.bounds.parse_json), then
+    validated. Raises WireError or pydantic's ValidationError (both ValueErrors)."""
+    doc = parse_json(raw, max_bytes=max_bytes)
+    if not isinstance(doc, dict):
+        raise WireError("malformed", f"the message must be a JSON object, got {type(doc).__name__}")
+    return Envelope.model_validate(doc)

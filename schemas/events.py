@@ -11,7 +11,8 @@ from schemas.job import JobSpec
 
 
 class Payload(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and Infinity are refused on every payload (schemas/bounds.py).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class RejectReason(StrEnum):

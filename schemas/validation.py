@@ -5,12 +5,19 @@ Used by the queue (authoritative) and the gateway (early, friendly 422s). Pure: 
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from schemas.bounds import (
+    JOB_ID_PATTERN,
+    MAX_SUBMISSION_BYTES,
+    NAME_PATTERN,
+    WireError,
+    parse_json,
+)
 from schemas.envelope import Envelope
 from schemas.events import RejectReason
 from schemas.job import JobSpec
@@ -38,9 +45,9 @@ class Unparseable:
 def parse_submission(raw: bytes) -> Submission | Unparseable:
     """Accept either a full envelope (`type` + `payload`) or a bare job spec object."""
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return Unparseable(RejectReason.MALFORMED, f"message is not valid JSON: {exc}")
+        doc = parse_json(raw, max_bytes=MAX_SUBMISSION_BYTES)
+    except WireError as exc:
+        return Unparseable(RejectReason(exc.reason), str(exc))
     if not isinstance(doc, dict):
         return Unparseable(
             RejectReason.MALFORMED, f"message must be a JSON object, got {type(doc).__name__}"
@@ -77,10 +84,21 @@ class _Ids:
     idempotency_key: str | None
 
 
+_RECOVERABLE = {
+    "job_id": re.compile(JOB_ID_PATTERN),
+    "tenant": re.compile(NAME_PATTERN),
+    "idempotency_key": re.compile(r"^[!-~]{1,256}$"),
+}
+
+
 def _recover_ids(body: dict[str, Any]) -> _Ids:
+    """Ids to answer a refused submission under: only values that are valid ids themselves,
+    so a rejection never carries (and no store is asked to keep) what made the spec bad."""
+
     def text(name: str) -> str | None:
         value = body.get(name)
-        return value if isinstance(value, str) and 0 < len(value) <= 256 else None
+        ok = isinstance(value, str) and _RECOVERABLE[name].fullmatch(value)
+        return value if ok else None
 
     return _Ids(text("job_id"), text("tenant"), text("idempotency_key"))
 

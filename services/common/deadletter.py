@@ -13,7 +13,8 @@ from aiokafka import ConsumerRecord
 from pydantic import ValidationError
 
 from schemas import topics
-from schemas.envelope import Envelope
+from schemas.bounds import WireError
+from schemas.envelope import Envelope, parse_envelope
 from schemas.events import DeadLetter, LeaderFence
 from schemas.health import AlertRaised, Severity
 from schemas.registry import upcast
@@ -146,13 +147,17 @@ def decode_envelopes(
     dead: list[OutMessage] = []
     for record in records:
         try:
-            envelope = upcast(Envelope.model_validate_json(record.value or b""))
+            envelope = upcast(parse_envelope(record.value or b""))
             if envelope.type == topics.LEADER_FENCE:
                 if fences is not None:
                     fences.append(LeaderFence.model_validate(envelope.payload))
                 continue
         except ValidationError as exc:
             dead.append(dead_letter(record, describe_validation_error(exc), consumer=consumer))
+            continue
+        except WireError as exc:
+            reason = "too_large" if exc.reason == "too_large" else "unreadable"
+            dead.append(dead_letter(record, str(exc), consumer=consumer, reason=reason))
             continue
         except ValueError as exc:
             dead.append(dead_letter(record, str(exc), consumer=consumer))

@@ -118,6 +118,7 @@ def _read_submission(record: ConsumerRecord[Any, Any]) -> Item:
                 f"{parsed.reason.value}: {parsed.message}",
                 consumer=CONSUMER,
                 tenant=parsed.tenant,
+                reason="too_large" if parsed.reason is RejectReason.TOO_LARGE else "unreadable",
             ),
         )
     # A bare spec carries no event id: the record's coordinates stand in for one.

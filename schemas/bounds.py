@@ -1,0 +1,142 @@
+"""Bounds on everything that comes over the wire, stated once and used on every path: the
+gateway's request bodies, records on Kafka, and the pydantic models themselves (so the JSON
+Schemas in docs/schemas/ publish them to other platforms).
+
+A record is refused before it is parsed when it is too large, and when parsed when it is not
+strict JSON: not UTF-8, `NaN`/`Infinity` (Python's json takes them; nothing downstream can
+compare them), nested deeper than `MAX_JSON_DEPTH`, or holding a NUL or a lone surrogate in
+any string or key (PostgreSQL cannot store either). Typed fields then add charsets and
+lengths: identifiers are names (`Name`, `Identifier`, `JobId`), free text has no control or
+bidi-override characters (`Text`), numbers are finite and in range.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field
+
+# A record on any topic. Below the broker's default message limit (1 MiB on Kafka) with room
+# for the envelope that a service adds when it embeds a spec downstream (job.queued,
+# placement.decided).
+MAX_RECORD_BYTES = 1 << 20
+# A submission (HTTP body or a job.submitted record).
+MAX_SUBMISSION_BYTES = 256 << 10
+# A job spec as it travels inside other events.
+MAX_SPEC_BYTES = 64 << 10
+MAX_JSON_DEPTH = 32
+MAX_REPLICAS = 2048
+MAX_LABELS = 64
+MAX_COMMAND_ITEMS = 256
+
+
+class WireError(ValueError):
+    """A record that is not acceptable JSON; `reason` is a RejectReason value."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _refuse_constant(name: str) -> Any:
+    raise WireError("malformed", f"{name} is not a number JSON allows; send a finite number")
+
+
+def parse_json(raw: bytes | str, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
+    """Strict, bounded JSON: raises WireError with a worded reason."""
+    size = len(raw)
+    if size > max_bytes:
+        raise WireError(
+            "too_large", f"the message is {size:,} bytes; the limit is {max_bytes:,} bytes"
+        )
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireError("malformed", f"the message is not UTF-8: {exc}") from None
+    else:
+        text = raw
+    try:
+        doc = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise WireError(
+            "malformed", f"the message is nested too deeply; the limit is {MAX_JSON_DEPTH}"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise WireError("malformed", f"the message is not valid JSON: {exc}") from None
+    _check_tree(doc)
+    return doc
+
+
+def _check_tree(doc: Any) -> None:
+    """Depth, and strings PostgreSQL and UTF-8 can hold, without recursion."""
+    stack: list[tuple[Any, int, str]] = [(doc, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, dict):
+            if depth > MAX_JSON_DEPTH:
+                raise WireError("malformed", f"nested deeper than {MAX_JSON_DEPTH} at {path}")
+            for key, value in node.items():
+                _check_text(key, f"{path}.{key!r}" if path else repr(key))
+                stack.append((value, depth + 1, f"{path}.{key}" if path else key))
+        elif isinstance(node, list):
+            if depth > MAX_JSON_DEPTH:
+                raise WireError("malformed", f"nested deeper than {MAX_JSON_DEPTH} at {path}")
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node))
+        elif isinstance(node, str):
+            _check_text(node, path or "(message)")
+
+
+def _check_text(value: str, where: str) -> None:
+    if "\x00" in value:
+        raise WireError("malformed", f"{where}: contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WireError(
+            "malformed", f"{where}: contains a lone surrogate (\\ud800-\\udfff)"
+        ) from None
+
+
+# --- typed fields ---------------------------------------------------------------------------
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+# Label keys and other identifiers a platform may namespace (`team.example/owner`).
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,126}$"
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
+# C0 and C1 controls (tab excepted), DEL, bidi overrides and isolates, lone surrogates.
+_FORBIDDEN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _plain_text(value: str) -> str:
+    match = _FORBIDDEN_TEXT.search(value)
+    if match is not None:
+        raise ValueError(
+            f"must not contain control or bidi characters (found U+{ord(match.group()):04X} "
+            f"at position {match.start()})"
+        )
+    return value
+
+
+# A team, project, user, queue, priority class, cluster: what a person types.
+Name = Annotated[str, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
+Identifier = Annotated[str, Field(min_length=1, max_length=127, pattern=IDENTIFIER_PATTERN)]
+JobId = Annotated[str, Field(min_length=1, max_length=64, pattern=JOB_ID_PATTERN)]
+# A client's retry token: printable ASCII without spaces.
+IdempotencyKey = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[!-~]+$")]
+
+
+def text(max_length: int) -> Any:
+    """Free text of at most `max_length` characters, without control or bidi characters."""
+    return Annotated[str, Field(max_length=max_length), AfterValidator(_plain_text)]
+
+
+Text = text(1024)
+LongText = text(4096)
+
+
+def json_size(value: Any) -> int:
+    """Bytes of `value` as compact JSON (what it costs inside another event)."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
