@@ -77,6 +77,11 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             await state["executor"].finish_due(time.time())
             await asyncio.sleep(settings.tick_interval_s)
 
+    async def tombstone_loop() -> None:
+        while True:
+            await asyncio.sleep(settings.tombstone_prune_every_s)
+            await state["executor"].prune_tombstones(settings.tombstone_retention_s)
+
     async def announce_loop() -> None:
         """Inventory now and then (the scheduler builds its fleet from it) and heartbeats."""
         last_capacity = 0.0
@@ -147,6 +152,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         await executor.restore()
         state["executor"] = executor
         runtime.background(finish_loop)
+        runtime.background(tombstone_loop)
         runtime.background(announce_loop)
         runtime.background(progress_loop)
         if settings.fault_rate_per_hour > 0:
@@ -157,6 +163,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     app = create_http_app(runtime)
     app.include_router(fault_router(injector, outage, random_mode))
     app.state.runtime = runtime
+    app.state.executor = state  # "executor": the Executor once started
     app.state.book = book
     app.state.broker = broker
     app.state.slowdowns = slowdowns

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-from datetime import datetime, timedelta
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import structlog
@@ -75,7 +76,10 @@ class Executor:
         self.running: dict[str, RunningJob] = {}
         self.due: list[tuple[float, str, int]] = []
         self.epoch = 0
-        self.tombstones: set[str] = set()
+        # Stop orders for jobs not running here: job id -> when (wall seconds). A placement of
+        # such a job is refused; kept `tombstone_retention_s`, longer than any placement of a
+        # canceled job can still be on its way, then pruned (memory and table).
+        self.tombstones: dict[str, float] = {}
         self._changing = asyncio.Lock()
 
     async def restore(self) -> None:
@@ -250,7 +254,7 @@ class Executor:
     ) -> list[OutMessage]:
         job = self.running.pop(cmd.job_id, None)
         if job is None:
-            self.tombstones.add(cmd.job_id)
+            self.tombstones[cmd.job_id] = time.time()
             tombs.append(cmd.job_id)
             return []
         return [
@@ -426,6 +430,18 @@ class Executor:
                 self.metrics.finished.labels(job.end.value).inc()
         self.relay.committed(staged)
         return len(due)
+
+    async def prune_tombstones(self, retention_s: float, now: float | None = None) -> int:
+        """Forget tombstones older than `retention_s`, in the table and in memory; returns how
+        many left memory. Under the change lock, so no batch sees half of it."""
+        cutoff = (time.time() if now is None else now) - retention_s
+        async with self._changing:
+            await self.store.forget_tombstones(datetime.fromtimestamp(cutoff, UTC))
+            old = [j for j, at in self.tombstones.items() if at < cutoff]
+            for job_id in old:
+                del self.tombstones[job_id]
+        self.metrics.tombstones.set(len(self.tombstones))
+        return len(old)
 
     async def _reload(self) -> None:
         for job_id in list(self.book.by_job):

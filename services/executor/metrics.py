@@ -8,6 +8,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 class ExecutorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.started = Counter("qm_executor_jobs_started_total", "Gangs started", registry=registry)
+        self.tombstones = Gauge(
+            "qm_executor_tombstones",
+            "Stop orders kept for jobs not running here (pruned past their retention)",
+            registry=registry,
+        )
         self.refused = Counter(
             "qm_executor_placements_refused_total",
             "Placements refused",

@@ -18,3 +18,8 @@ class ExecutorSettings(ServiceSettings):
     # Placements wait in the broker at most this long. Every poll is a broker round trip and
     # there is an executor per cluster, so they poll less often than the scheduling path.
     fetch_max_wait_ms: int = 50
+    # A stop order for a job not running here is kept this long (wall seconds) so that a
+    # placement of the canceled job still on its way is refused; pruned every
+    # `tombstone_prune_every_s`.
+    tombstone_retention_s: float = 3600.0
+    tombstone_prune_every_s: float = 300.0

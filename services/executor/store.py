@@ -124,12 +124,15 @@ class ExecutorStore:
         self.pool = pool
         self.schema = schema_for(cluster)
 
-    async def load(self) -> tuple[list[RunningJob], int, set[str]]:
+    async def load(self) -> tuple[list[RunningJob], int, dict[str, float]]:
         s = self.schema
         async with self.pool.acquire() as conn:
             rows = await conn.fetch(f'SELECT * FROM "{s}".allocations')
             epoch = await conn.fetchval(f'SELECT epoch FROM "{s}".fence') or 0
-            tombs = {r["job_id"] for r in await conn.fetch(f'SELECT job_id FROM "{s}".tombstones')}
+            tombs = {
+                r["job_id"]: r["at"].timestamp()
+                for r in await conn.fetch(f'SELECT job_id, at FROM "{s}".tombstones')
+            }
         return [_job(r) for r in rows], int(epoch), tombs
 
     async def write(
@@ -187,13 +190,12 @@ class ExecutorStore:
                 [(t,) for t in tombstones],
             )
 
-    async def forget_old_tombstones(self, older_than_s: float = 3600) -> None:
-        async with self.pool.acquire() as conn:
-            await conn.execute(
-                f'DELETE FROM "{self.schema}".tombstones WHERE at < now() - make_interval('
-                "secs => $1)",
-                older_than_s,
-            )
+    async def forget_tombstones(self, before: datetime) -> int:
+        """Delete tombstones written before `before`; returns how many."""
+        status = await self.pool.execute(
+            f'DELETE FROM "{self.schema}".tombstones WHERE at < $1', before
+        )
+        return int(status.split()[-1])
 
 
 def utcnow() -> datetime:

@@ -120,6 +120,44 @@ async def test_placements_refusals_fencing_and_restart(service_env: dict[str, An
     assert "2 whole H100 free of 8" in refusal["message"]
 
 
+async def test_tombstones_expire_from_memory_and_table(service_env: dict[str, Any]) -> None:
+    """A stop order for a job not running here is kept for the retention, then forgotten in
+    memory and in the table: every cancel adds one in every executor, so without pruning
+    they would grow for as long as the platform runs."""
+    run = uuid.uuid4().hex[:8]
+    old, new = f"{run}-old", f"{run}-new"
+    settings = ExecutorSettings(**service_env, executor_cluster=CLUSTER, time_scale=1.0)
+    app = create_app(settings)
+    async with running(app):
+        bootstrap = service_env["kafka_bootstrap"]
+        await produce(bootstrap, topics.JOB_STOP_ORDERED, [stop(old), stop(new)])
+        await tombstoned(service_env["database_url"], old)
+        await tombstoned(service_env["database_url"], new)
+        executor = app.state.executor["executor"]
+        conn = await asyncpg.connect(service_env["database_url"])
+        try:
+            # Age one of them by an hour and a minute, as if written then.
+            await conn.execute(
+                f"UPDATE {schema_for(CLUSTER)}.tombstones "
+                "SET at = now() - interval '61 minutes' WHERE job_id = $1",
+                old,
+            )
+            executor.tombstones[old] -= 3660
+            assert await executor.prune_tombstones(3600) == 1
+            left = {
+                r["job_id"]
+                for r in await conn.fetch(
+                    f"SELECT job_id FROM {schema_for(CLUSTER)}.tombstones "
+                    "WHERE job_id = ANY($1::text[])",
+                    [old, new],
+                )
+            }
+        finally:
+            await conn.close()
+        assert old not in executor.tombstones and new in executor.tombstones
+        assert left == {new}
+
+
 async def fence_every_partition(bootstrap: str, topic: str, epoch: int) -> None:
     """What a new scheduler leader writes before it decides (schemas.events.LeaderFence)."""
     env = Envelope(type="LeaderFence", payload={"epoch": epoch, "leader": "new"})
