@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.bounds import MAX_RECORD_BYTES, Identifier, Name, WireError, parse_json
 from schemas.ids import new_id
@@ -35,6 +35,11 @@ class Envelope(BaseModel):
         default=None, description="event_id of the message that caused this one."
     )
     payload: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tenant", mode="before")
+    @classmethod
+    def _no_tenant(cls, value: Any) -> Any:
+        return None if value == "" else value  # an empty tenant means none
 
 
 def parse_envelope(raw: bytes | str, *, max_bytes: int = MAX_RECORD_BYTES) -> Envelope:

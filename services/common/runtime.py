@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.logging import configure_logging
 from services.common.settings import ServiceSettings
+from services.common.singleton import Singleton
 
 log = structlog.get_logger()
 
@@ -33,7 +34,11 @@ class Runtime:
     startup: list[Hook] = field(default_factory=list)
     shutdown: list[Hook] = field(default_factory=list)
     loops: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Set for a service that must run as one instance (services.common.singleton): start-up
+    # then waits for the lease, in the background, while /healthz already answers.
+    singleton: Singleton | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _started: bool = False
 
     def on_startup(self, hook: Hook) -> Hook:
         self.startup.append(hook)
@@ -49,10 +54,14 @@ class Runtime:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
-        for hook in self.startup:
-            await hook()
-        for loop in self.loops:
-            self._tasks.append(asyncio.create_task(self._guard(loop), name=loop.__name__))
+        if self.singleton is None:
+            await self._start()
+        elif await self.singleton.try_acquire():
+            # Free: start as any service does, then keep renewing in the background.
+            await self._start()
+            self._tasks.append(asyncio.create_task(self.singleton.hold(), name="lease"))
+        else:
+            self._tasks.append(asyncio.create_task(self._lead(self.singleton), name="lead"))
         self.ready = True
         log.info("service started", port=self.settings.http_port)
         try:
@@ -62,12 +71,33 @@ class Runtime:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            for hook in reversed(self.shutdown):
-                try:
-                    await hook()
-                except Exception:
-                    log.warning("shutdown hook failed", hook=hook.__name__, exc_info=True)
+            if self._started:
+                for hook in reversed(self.shutdown):
+                    try:
+                        await hook()
+                    except Exception:
+                        log.warning("shutdown hook failed", hook=hook.__name__, exc_info=True)
+            if self.singleton is not None:
+                await self.singleton.release()
             log.info("service stopped")
+
+    async def _start(self) -> None:
+        for hook in self.startup:
+            await hook()
+        for loop in self.loops:
+            self._tasks.append(asyncio.create_task(self._guard(loop), name=loop.__name__))
+        self._started = True
+
+    async def _lead(self, singleton: Singleton) -> None:
+        await singleton.acquire()
+        try:
+            await self._start()
+        except Exception:
+            # As a start-up hook failing would end a service that is not a singleton.
+            log.exception("start-up failed; stopping")
+            singleton.on_deposed()
+            return
+        await singleton.hold()
 
     async def _guard(self, loop: Callable[[], Awaitable[None]]) -> None:
         """A background loop that dies is restarted after a pause, never silently lost."""

@@ -28,6 +28,9 @@ class ServiceSettings(BaseSettings):
     # A consumer whose batch has failed (retryably) for this long raises one alert.raised
     # (cause consumer_stalled); it goes on retrying with backoff either way.
     stall_alert_after_s: float = 60.0
+    # Lease of a service that must run as one instance (health, meter); a standby takes over
+    # within this long after the holder stops renewing.
+    singleton_ttl_s: float = 10.0
     db_pool_size: int = 4
     # Processed event ids are kept this long to skip redeliveries; housekeeping prunes older
     # ones this often (wall seconds). A record older than this must never be delivered again:

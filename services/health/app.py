@@ -19,6 +19,7 @@ from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.policyfile import read_yaml
 from services.common.runtime import Runtime, create_http_app
+from services.common.singleton import singleton_for
 from services.health import store
 from services.health.handlers import HealthMetrics, HealthMonitor
 from services.health.intake import TOPICS
@@ -45,6 +46,8 @@ def utcnow() -> datetime:
 def create_app(settings: HealthSettings | None = None) -> FastAPI:
     settings = settings or HealthSettings()
     runtime = Runtime(NAME, settings)
+    # One instance at a time (docs/decisions.md); a second one stands by.
+    runtime.singleton = singleton_for(settings.redis_url, NAME, settings.singleton_ttl_s)
     broker = make_broker(settings, NAME, runtime.registry)
     rules = load_rules(settings)
     metrics = HealthMetrics(runtime.registry)

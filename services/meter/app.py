@@ -18,6 +18,7 @@ from services.common.kafka import make_broker
 from services.common.outbox import OutboxRelay
 from services.common.policyfile import load_policy, read_yaml
 from services.common.runtime import Runtime, create_http_app
+from services.common.singleton import singleton_for
 from services.meter import store
 from services.meter.budgets import parse_config
 from services.meter.handlers import Meter, MeterMetrics
@@ -33,6 +34,8 @@ NAME = "meter"
 def create_app(settings: MeterSettings | None = None) -> FastAPI:
     settings = settings or MeterSettings()
     runtime = Runtime(NAME, settings)
+    # One instance at a time (docs/decisions.md); a second one stands by.
+    runtime.singleton = singleton_for(settings.redis_url, NAME, settings.singleton_ttl_s)
     # The broker only consumes: ticks go out through the relay's own producer (publisher.py).
     broker = make_broker(settings, NAME, runtime.registry)
     policy = load_policy(settings.policy_file)
