@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import time
 from typing import Any
 
 import structlog
+from aiokafka.errors import KafkaError
 from fastapi import FastAPI
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from schemas.topics import FENCED_TOPICS
 from services.common.kafka import make_broker, publish_all
@@ -32,6 +35,8 @@ from services.scheduler.state import SchedulerState
 NAME = "scheduler"
 # A new leader that has not read its own fences by then gives the lease up and tries again.
 TAKE_OVER_TIMEOUT_S = 60.0
+# Longest pause between tries when the broker or Redis is away.
+BACKOFF_MAX_S = 5.0
 log = structlog.get_logger()
 
 
@@ -88,6 +93,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         renew_every = settings.lease_ttl_ms / 3000
         last_renew = 0.0
         last_cycle = 0.0
+        failures = 0
 
         async def still_leading() -> bool:
             nonlocal last_renew
@@ -128,19 +134,55 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
                 state.dirty = True  # a backoff or a protection ran out
             if state.dirty or now - last_cycle >= settings.idle_cycle_s:
                 assert lease.epoch is not None
-                await cycle.run_once(lease.epoch, still_leading=still_leading)
+                try:
+                    await cycle.run_once(lease.epoch, still_leading=still_leading)
+                    failures = 0
+                except (RedisError, KafkaError, OSError, TimeoutError) as exc:
+                    # The broker or Redis is away: nothing of the cycle was applied (see
+                    # Cycle.run_once). Back off, then decide again on what the feed has read.
+                    failures += 1
+                    pause = min(BACKOFF_MAX_S, 0.1 * 2**failures) * random.uniform(0.5, 1.0)
+                    log.warning(
+                        "cycle failed; deciding again",
+                        error=f"{type(exc).__name__}: {exc}",
+                        retry_in_s=round(pause, 2),
+                        failures=failures,
+                    )
+                    await asyncio.sleep(pause)
+                    continue
                 last_cycle = now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), settings.cycle_interval_s)
             wake.clear()
             await asyncio.sleep(settings.min_cycle_gap_s)
 
+    async def lead_through_outages() -> None:
+        """Lead; while Redis is away nobody can hold the lease, so stand by (logged once per
+        outage) and back off instead of failing in a loop."""
+        away = 0
+        last_failure = 0.0
+        while True:
+            try:
+                await lead()
+                return
+            except RedisError as exc:
+                if time.monotonic() - last_failure > 30:
+                    away = 0  # a new outage, not the same one going on
+                last_failure = time.monotonic()
+                if lease.held:
+                    lease.epoch = None  # cannot renew: it lapses by itself; decide nothing
+                metrics.leader.set(0)
+                away += 1
+                if away == 1:
+                    log.warning("Redis is unreachable; standing by", error=str(exc))
+                await asyncio.sleep(min(BACKOFF_MAX_S, 0.2 * 2**away) * random.uniform(0.5, 1))
+
     @runtime.on_startup
     async def start() -> None:
         await broker.connect()
         await feed.start()
         runtime.background(feed.run)
-        runtime.background(lead)
+        runtime.background(lead_through_outages)
 
         async def close() -> None:
             await lease.release()

@@ -23,7 +23,7 @@ from core.model import Allocation, JobId, TenantId
 from core.policy import Policy
 from core.reasons import PendingExplanation, ReasonCode
 from schemas import topics
-from schemas.envelope import Envelope
+from schemas.envelope import Envelope, parse_envelope
 from schemas.events import Claim as WireClaim
 from schemas.events import (
     ClusterCapacity,
@@ -89,6 +89,11 @@ class SchedulerMetrics:
             "Cycles decided after the lease was lost, and not published",
             registry=registry,
         )
+        self.publish_failed = Counter(
+            "qm_scheduler_publish_failures_total",
+            "Cycles whose publish failed (nothing of them applied; decided again)",
+            registry=registry,
+        )
         self.publish = Histogram(
             "qm_scheduler_publish_seconds",
             "From the lease renewal that let a cycle go out until the broker had all of it",
@@ -105,14 +110,30 @@ class SchedulerMetrics:
 def apply_records(
     state: SchedulerState, records: list[ConsumerRecord[Any, Any]], metrics: SchedulerMetrics
 ) -> None:
-    """Feed records into the state. The queue dead-letters bad input; here it is only skipped."""
+    """Feed records into the state, one at a time: a record that cannot be read, or that the
+    state cannot apply, is skipped (logged, counted) and never stops the records after it.
+    Dead-lettering is the owning consumers' job (every one of these topics has one)."""
     for record in records:
         try:
-            env = Envelope.model_validate_json(record.value or b"")
+            env = parse_envelope(record.value or b"")
             _apply(state, record, env)
-        except (ValidationError, ValueError):
+        except (ValidationError, ValueError) as exc:
             metrics.skipped.inc()
-            log.warning("skipping unreadable record", topic=record.topic, offset=record.offset)
+            log.warning(
+                "skipping unreadable record",
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                error=str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
+            )
+        except Exception:
+            metrics.skipped.inc()
+            log.exception(
+                "skipping a record the state could not apply",
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+            )
 
 
 def _apply(state: SchedulerState, record: ConsumerRecord[Any, Any], env: Envelope) -> None:
@@ -186,7 +207,9 @@ def fence_messages(epoch: int, leader: str, partitions: list[tuple[str, int]]) -
 
 
 class Cycle:
-    """Decide with the core, apply our own decisions at once, then publish them."""
+    """Decide with the core, publish the decisions, then apply them to the state: a publish
+    that fails leaves the state as the log has it (no phantom placement holding capacity),
+    and the jobs are decided again."""
 
     def __init__(
         self,
@@ -253,53 +276,78 @@ class Cycle:
             snapshot = replace(state.snapshot(now), usage=self.usage)
             policy = self._policy_for(now)
             result = schedule(snapshot, policy, state.fleet_time(now), self.rng)
+            # Built at once, from the state the core decided on (no await in between); the
+            # state itself changes only once the broker has all of it.
+            placements = [p for alloc in result.placements if (p := self._placement(alloc, epoch))]
+            requests = [
+                r
+                for decision in result.preemptions
+                for r in self._preemptions(decision, policy, epoch)
+            ]
+            pending = dict(result.pending)
+            pending.update(self._backoffs(now))
+            explained, told = self._explanations(pending, now)
         if still_leading is not None and not await still_leading():
             log.warning("lost the lease during a cycle; its decisions are dropped")
             self.metrics.dropped.inc()
             return 0
         renewed = time.monotonic()
-        with self.metrics.cycle.time():
-            out = [self._placement(alloc, epoch, now) for alloc in result.placements]
-            placed = len(out)
-            for decision in result.preemptions:
-                out.extend(self._preemptions(decision, policy, epoch))
-            pending = dict(result.pending)
-            pending.update(self._backoffs(now))
-            out.extend(self._explanations(pending, now))
+        out = [m for m, _ in placements] + [m for m, _ in requests] + explained
         if out:
-            await publish_all(self.broker, out)
+            try:
+                await publish_all(self.broker, out)
+            except Exception:
+                # Nothing of this cycle is applied: what did reach the broker comes back
+                # through the feed like any placement; the rest is decided again.
+                self.metrics.publish_failed.inc()
+                state.dirty = True
+                raise
             took = time.monotonic() - renewed
             self.metrics.publish.observe(took)
             if took > 1.0:
                 log.warning("slow publish", seconds=round(took, 3), messages=len(out), epoch=epoch)
-        self.metrics.placed.inc(placed)
+        # Apply what went out. The feed may have moved the state meanwhile (a cancel, a
+        # node gone): applying is idempotent and skips what no longer applies.
+        for _, placed_event in placements:
+            state.on_placed(placed_event, now)
+            self.told.pop(JobId(placed_event.job_id), None)
+        for _, request in requests:
+            state.on_preemption_requested(request)
+            self.metrics.preemptions.labels(request.reason_code).inc()
+        self.told.update(told)
+        self.metrics.placed.inc(len(placements))
         self.metrics.pending.set(len(state.pending))
         self.metrics.running.set(len(state.running))
-        return placed
+        return len(placements)
 
-    def _placement(self, alloc: Allocation, epoch: int, now: float) -> OutMessage:
+    def _placement(
+        self, alloc: Allocation, epoch: int
+    ) -> tuple[OutMessage, PlacementDecided] | None:
         state = self.state
         job_id = alloc.job.job_id
-        node = state.nodes[alloc.replicas[0].node_id]
+        node = state.nodes.get(alloc.replicas[0].node_id)
+        queued = state.queued.get(job_id)
+        if node is None or queued is None:  # cannot happen between decide and here; be safe
+            log.warning("placement for a job or node no longer known; dropped", job_id=job_id)
+            return None
         event = placement_event(
             alloc,
-            state.queued[job_id],
+            queued,
             attempt=state.next_attempt(job_id),
             epoch=epoch,
             leader=self.leader,
             accelerator_type=node.accelerator.type,
         )
-        state.on_placed(event, now)
-        self.told.pop(job_id, None)
         env = envelope_for("PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant)
         # Executors skip other clusters' placements by this header, unparsed.
-        return OutMessage(
+        message = OutMessage(
             topics.PLACEMENT_DECIDED, job_id, env, headers=(("cluster", str(alloc.cluster)),)
         )
+        return message, event
 
     def _preemptions(
         self, decision: PreemptionDecision, policy: Policy, epoch: int
-    ) -> list[OutMessage]:
+    ) -> list[tuple[OutMessage, PreemptionRequested]]:
         """Ask the preemptor to make room: one request per victim, keyed by the victim.
 
         Claims go on the wire so the preemptor can check "never for a claim that is not
@@ -340,12 +388,10 @@ class Cycle:
                 epoch=epoch,
                 leader=self.leader,
             )
-            state.on_preemption_requested(event)
-            self.metrics.preemptions.labels(str(victim.reason)).inc()
             env = envelope_for(
                 "PreemptionRequested", event, producer=PRODUCER, tenant=alloc.job.tenant
             )
-            out.append(OutMessage(topics.PREEMPTION_REQUESTED, victim.job_id, env))
+            out.append((OutMessage(topics.PREEMPTION_REQUESTED, victim.job_id, env), event))
         return out
 
     def _backoffs(self, now: float) -> dict[JobId, PendingExplanation]:
@@ -361,22 +407,24 @@ class Cycle:
 
     def _explanations(
         self, pending: Mapping[JobId, PendingExplanation], now: float
-    ) -> list[OutMessage]:
+    ) -> tuple[list[OutMessage], dict[JobId, tuple[tuple[str, ...], str, float]]]:
         """A job's reason goes out when its codes change; a changed sentence with the same
         codes (e.g. "behind 12 jobs" becoming "behind 11") at most every EXPLAIN_EVERY_S; and
-        at most EXPLAIN_PER_CYCLE in one cycle (see `worth_telling`)."""
+        at most EXPLAIN_PER_CYCLE in one cycle (see `worth_telling`). Returns the messages and
+        what each job will have been told once they are out."""
         out = []
+        told: dict[JobId, tuple[tuple[str, ...], str, float]] = {}
         for job_id in [j for j in self.told if j not in self.state.pending]:
             del self.told[job_id]
         current = {j: why for j, why in pending.items() if j in self.state.pending}
         for job_id in worth_telling(current, self.told, now):
             why = current[job_id]
             codes = tuple(str(c) for c in why.codes)
-            self.told[job_id] = (codes, why.message, now)
+            told[job_id] = (codes, why.message, now)
             event = PendingExplained(
                 job_id=job_id, codes=list(codes), message=why.message, pending_jobs=len(pending)
             )
             tenant = self.state.pending[job_id].tenant
             env = envelope_for("PendingExplained", event, producer=PRODUCER, tenant=tenant)
             out.append(OutMessage(topics.SCHEDULING_EXPLAINED, job_id, env))
-        return out
+        return out, told
