@@ -127,18 +127,27 @@ async def insert_submitted(pool: asyncpg.Pool, view: JobView, line: EventLine) -
     """Record a job the gateway just accepted and its first history line. Returns the existing
     job id instead when the tenant already used this idempotency key."""
     key = view.spec.idempotency_key if view.spec else None
-    async with pool.acquire() as conn, conn.transaction():
-        if key:
-            existing = await conn.fetchval(
-                "SELECT job_id FROM gateway.jobs WHERE tenant = $1 AND idempotency_key = $2",
-                view.tenant,
-                key,
-            )
-            if existing:
-                return str(existing)
-        await upsert_views(conn, [view])
-        await claim_lines(conn, [line])
+    async with pool.acquire() as conn:
+        try:
+            async with conn.transaction():
+                if key and (existing := await _keyed(conn, view.tenant, key)):
+                    return existing
+                await upsert_views(conn, [view])
+                await claim_lines(conn, [line])
+        except asyncpg.UniqueViolationError:
+            # A concurrent retry with the same key committed first (the unique index on
+            # tenant and key decides): answer with its job.
+            if key and (existing := await _keyed(conn, view.tenant, key)):
+                return existing
+            raise
     return None
+
+
+async def _keyed(conn: asyncpg.Connection, tenant: str, key: str) -> str | None:
+    found = await conn.fetchval(
+        "SELECT job_id FROM gateway.jobs WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+    )
+    return None if found is None else str(found)
 
 
 async def forget(pool: asyncpg.Pool, job_id: str) -> None:
