@@ -11,7 +11,7 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import explain, routes, store, usage
+from services.gateway import explain, problems, routes, store, usage
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
 from services.gateway.explain import record_explanations
@@ -32,6 +32,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     policy = load_policy(settings.policy_file)
     tokens = load_tokens(settings.auth_file)
     app = create_http_app(runtime, description=DESCRIPTION, version="1")
+    problems.install(app)
     app.include_router(routes.router)
     app.include_router(explain.router)
     app.include_router(usage.router)

@@ -30,6 +30,7 @@ from services.gateway.api_models import (
 from services.gateway.auth import Principal, Role
 from services.gateway.context import Gateway
 from services.gateway.deps import gateway, principal
+from services.gateway.problems import BODY_ANSWERS
 from services.gateway.projection import EventLine, submitted_view
 from services.gateway.watch import event_stream
 
@@ -49,7 +50,12 @@ def _not_found(job_id: str) -> HTTPException:
     "/jobs",
     status_code=202,
     response_model=Submitted,
-    responses={422: {"model": Problem}, 403: {}, 200: {"model": Submitted}},
+    responses={
+        **BODY_ANSWERS,
+        422: {"model": Problem, "description": BODY_ANSWERS[422]["description"]},
+        403: {"description": "The token may not submit for this tenant."},
+        200: {"model": Submitted, "description": "A retry: the job this key already made."},
+    },
 )
 async def submit_job(
     body: SubmitJob, gw: GatewayDep, who: PrincipalDep, response: Response
@@ -157,7 +163,12 @@ async def list_jobs(
     "/jobs/{job_id}",
     status_code=202,
     response_model=CancelAccepted,
-    responses={404: {}, 403: {}, 409: {}},
+    responses={
+        404: {"description": "No such job visible to this token."},
+        403: {"description": "The token may read but not change this job."},
+        409: {"description": "The job has already ended."},
+        503: BODY_ANSWERS[503],
+    },
 )
 async def cancel_job(job_id: str, gw: GatewayDep, who: PrincipalDep) -> CancelAccepted:
     row = await store.get_job(gw.pool, job_id)
