@@ -10,6 +10,8 @@ import structlog
 from aiokafka import ConsumerRecord
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import topics
 from schemas.events import (
@@ -55,6 +57,7 @@ class Projector:
         self.pool = pool
         self.redis = redis
         self.skipped = 0
+        self.feed_dropped = 0  # live feed lines lost to Redis outages
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
         # Bad input is the queue's to dead-letter; the read model just skips what it cannot read.
@@ -89,7 +92,13 @@ class Projector:
             await store.upsert_views(conn, list(changed.values()))
         lines = [ln for ln in lines if ln.event_id in fresh]
         if lines:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for ln in lines:
-                    pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
-                await pipe.execute()
+            # The live feed (`qm watch`) is best effort: the read model is already committed,
+            # and a Redis outage must not hold the projection back.
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for ln in lines:
+                        pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
+                    await pipe.execute()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                self.feed_dropped += len(lines)
+                log.warning("live feed not published: Redis is unreachable", error=str(exc))
