@@ -1,7 +1,8 @@
-"""Chaos: submit jobs at a steady rate while the queue, scheduler, preemptor, executors and
-health service are killed (-9) and restarted at seeded random moments, and the leading
-scheduler is frozen (SIGSTOP) for longer than its lease and then let go on; then audit what the
-log says happened.
+"""Chaos: submit jobs at a steady rate while every kind of service (gateway, queue, the
+scheduler as leader and as standby, preemptor, each executor, health, meter) is killed (-9)
+and restarted, and the leading scheduler is frozen (SIGSTOP) for longer than its lease and
+then let go on, by a seeded plan drawn up front (`fault_plan`: every target at least once,
+whatever the timing); then audit what the log says happened.
 
 The mix keeps every failure path busy: long low-priority runs fill the H100 cluster and
 critical H100 gangs preempt them (checkpoint, grace, stop, requeue); some jobs fail once and
@@ -32,6 +33,7 @@ import time
 import urllib.request
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +51,6 @@ from services.common.policyfile import load_policy, read_yaml
 from tests.integration.kafka_tools import LogReader
 
 TENANTS = ("vision", "nlp", "speech")
-VICTIMS = (
-    "services.queue",
-    "services.scheduler",
-    "services.preemptor",
-    "services.executor",
-    "services.health",
-)
 NOT_H100 = ["A100", "L4", "TPU-v5e"]
 
 
@@ -138,43 +133,89 @@ def leading_scheduler(stack: Stack) -> Service | None:
     return None
 
 
-async def kill_loop(
-    stack: Stack,
-    rng: random.Random,
-    every_s: float,
-    until: float,
-    kills: list[str],
-    freezes: list[str],
-    freeze_share: int = 1,
-) -> None:
-    """Round robin over a seeded shuffle of the victims and one more fault: the leading
-    scheduler stopped (SIGSTOP) for longer than its lease, then let go on (SIGCONT), as a
-    process stalled by load would be; the standby takes over while the old leader may be in
-    the middle of publishing a cycle."""
-    victims: list[Service | str] = [s for s in stack.services if s.module in VICTIMS]
-    victims.extend([FREEZE] * freeze_share)
-    rng.shuffle(victims)
-    faults = 0
-    while time.monotonic() < until:
-        await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
-        victim = victims[faults % len(victims)]
-        faults += 1
-        if isinstance(victim, str):
-            leader = await asyncio.to_thread(leading_scheduler, stack)
-            if leader is None or leader.pid is None:
-                continue
-            os.kill(leader.pid, signal.SIGSTOP)
-            freezes.append(leader.name)
-            try:
-                await asyncio.sleep(rng.uniform(4.0, 6.0))  # the lease lasts 3 s
-            finally:
-                os.kill(leader.pid, signal.SIGCONT)
-            continue
+LEADER = "scheduler (leader)"
+STANDBY = "scheduler (standby)"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: at `at_s` seconds into the run, `target` (a service name, LEADER,
+    STANDBY or FREEZE) is killed (-9) and restarted after `down_s`, or, for FREEZE, the
+    leading scheduler is stopped for `down_s` (longer than its 3 s lease)."""
+
+    at_s: float
+    target: str
+    down_s: float
+
+
+def fault_targets(stack_names: list[str]) -> list[str]:
+    """Every kind of service the stack runs, the scheduler as leader and as standby (which
+    process is which is only known when the fault fires)."""
+    targets = [n for n in stack_names if not n.startswith("scheduler")]
+    return [*sorted(targets), LEADER, STANDBY]
+
+
+def fault_plan(
+    targets: list[str], seconds: float, every_s: float, seed: int, freezes: int = 1
+) -> list[Fault]:
+    """A complete, seeded schedule: every target at least once (more rounds if the run is
+    long enough), `freezes` leader freezes per round, in a shuffled order, one fault per
+    slot of the run at a jittered moment inside it. Drawn up front, so which services are hit
+    never depends on timing: the run executes each fault, however late, and reports it."""
+    rng = random.Random(seed)
+    per_round = [*targets, *[FREEZE] * freezes]
+    rounds = max(1, int(seconds // (every_s * len(per_round))))
+    order: list[str] = []
+    for _ in range(rounds):
+        batch = list(per_round)
+        rng.shuffle(batch)
+        order.extend(batch)
+    slot = seconds / len(order)
+    plan = []
+    for i, target in enumerate(order):
+        at = i * slot + rng.uniform(0.1, 0.5) * slot
+        down = rng.uniform(4.0, 6.0) if target == FREEZE else rng.uniform(0.2, 2.0)
+        plan.append(Fault(round(at, 3), target, round(down, 3)))
+    return plan
+
+
+def _scheduler_roles(stack: Stack) -> tuple[Service | None, Service | None]:
+    leader = leading_scheduler(stack)
+    others = [s for s in stack.services if s.module == "services.scheduler" and s is not leader]
+    return leader, (others[0] if others else None)
+
+
+async def run_faults(stack: Stack, plan: list[Fault], started: float, done: list[str]) -> None:
+    """Execute `plan` in order; `done` gets one entry per executed fault (its target kind and
+    the process hit). A fault whose moment has passed (the previous one took long) runs at
+    once; none is skipped. A leader is waited for (a freeze or a leader kill needs one)."""
+    for fault in plan:
+        await asyncio.sleep(max(0.0, started + fault.at_s - time.monotonic()))
+        victim: Service | None
+        if fault.target in (FREEZE, LEADER, STANDBY):
+            deadline = time.monotonic() + 30
+            while True:
+                leader, standby = await asyncio.to_thread(_scheduler_roles, stack)
+                victim = standby if fault.target == STANDBY else leader
+                if (victim is not None and victim.pid is not None) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
+            if victim is None or victim.pid is None:
+                raise RuntimeError(f"fault {fault} found no scheduler in that role")
+        else:
+            victim = next(s for s in stack.services if s.name == fault.target)
         assert victim.pid is not None
-        os.kill(victim.pid, signal.SIGKILL)
-        kills.append(victim.name)
-        await asyncio.sleep(rng.uniform(0.2, 2.0))
-        await asyncio.to_thread(stack.restart, victim)
+        if fault.target == FREEZE:
+            os.kill(victim.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(fault.down_s)
+            finally:
+                os.kill(victim.pid, signal.SIGCONT)
+        else:
+            os.kill(victim.pid, signal.SIGKILL)
+            await asyncio.sleep(fault.down_s)
+            await asyncio.to_thread(stack.restart, victim)
+        done.append(f"{fault.target}={victim.name}")
 
 
 # Topics where one (job, attempt) may have one effect only (distinct event ids).
@@ -310,34 +351,30 @@ def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
 
 async def run(stack: Stack, bootstrap: str, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    kills: list[str] = []
-    freezes: list[str] = []
-    until = time.monotonic() + args.seconds
-    killer = asyncio.create_task(
-        kill_loop(
-            stack,
-            random.Random(args.seed + 1),
-            args.kill_every,
-            until,
-            kills,
-            freezes,
-            args.freeze_share,
-        )
+    plan = fault_plan(
+        fault_targets([s.name for s in stack.services]),
+        args.seconds,
+        args.kill_every,
+        args.seed + 1,
+        args.freeze_share,
     )
+    print(f"fault plan ({len(plan)}): " + ", ".join(f"{f.at_s:.0f}s {f.target}" for f in plan))
+    done: list[str] = []
+    faults = asyncio.create_task(run_faults(stack, plan, time.monotonic(), done))
     run_id = f"{args.seed}-{uuid.uuid4().hex[:6]}"  # ids unique across runs on one database
     expected = await submit(bootstrap, rng, args.rate, args.seconds, run_id)
-    await killer
-    print(
-        f"submitted {len(expected)} jobs; {len(kills)} kills: {', '.join(kills)}; "
-        f"{len(freezes)} leader freezes: {', '.join(freezes)}"
-    )
+    await faults
+    print(f"submitted {len(expected)} jobs; {len(done)} faults: {', '.join(done)}")
     figures = await audit(bootstrap, expected, args.drain_s)
+    kills = [d for d in done if not d.startswith(FREEZE)]
     return {
         "jobs": len(expected),
         **figures,
         "kills": len(kills),
-        "killed": kills,
-        "leader_freezes": len(freezes),
+        "killed": [d.split("=", 1)[0] for d in kills],
+        "leader_freezes": len(done) - len(kills),
+        "planned": [f.target for f in plan],
+        "executed": [d.split("=", 1)[0] for d in done],
     }
 
 
