@@ -32,7 +32,7 @@ from schemas.health import NodeRecovered, NodeUnhealthy
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
 from services.common.logging import bind_event
-from services.common.outbox import OutboxRelay, Staged, add_to_outbox, claim_events
+from services.common.outbox import OutboxRelay
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.runs import ended_by_itself, fleet_s, preempted
@@ -129,18 +129,18 @@ class Executor:
         # preempted, checkpointed or handed back by a batch processed meanwhile.
         async with self._changing:
             try:
-                staged = await self._commit(mine, dead, fence)
+                await self._commit(mine, dead, fence)
             except Exception:
                 # Memory may be ahead of the store: rebuild it from the store, then redeliver.
                 await self._reload()
                 raise
-        self.relay.committed(staged)
 
     async def _commit(
         self, items: list[tuple[Envelope, Any]], dead: list[OutMessage], fence: int
-    ) -> Staged:
-        async with self.store.pool.acquire() as conn, conn.transaction():
-            fresh = await claim_events(conn, self.store.schema, [e.event_id for e, _ in items])
+    ) -> None:
+        async with self.relay.transaction() as tx:
+            conn = tx.conn
+            fresh = await tx.claim([e.event_id for e, _ in items])
             out = list(dead)
             started: list[RunningJob] = []
             ended: list[RunKey] = []
@@ -174,9 +174,8 @@ class Executor:
                 tombstones=tombs,
                 checkpointed=checkpointed,
             )
-            staged = await add_to_outbox(conn, self.store.schema, out)
+            tx.emit(out)
         self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
-        return staged
 
     def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
         self.metrics.refused.labels(code).inc()
@@ -412,11 +411,11 @@ class Executor:
             else:
                 out.append(self._emit(topics.JOB_FINISHED, "JobFinished", event, job.tenant, None))
         try:
-            async with self.store.pool.acquire() as conn, conn.transaction():
+            async with self.relay.transaction() as tx:
                 await self.store.write(
-                    conn, started=[], ended=[j.key for j in due], epoch=None, tombstones=[]
+                    tx.conn, started=[], ended=[j.key for j in due], epoch=None, tombstones=[]
                 )
-                staged = await add_to_outbox(conn, self.store.schema, out)
+                tx.emit(out)
         except Exception:
             for job in due:  # try again on the next tick
                 heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
@@ -428,7 +427,6 @@ class Executor:
                 self.metrics.runs_failed.labels(job.reason_code or "unknown").inc()
             else:
                 self.metrics.finished.labels(job.end.value).inc()
-        self.relay.committed(staged)
         return len(due)
 
     async def prune_tombstones(self, retention_s: float, now: float | None = None) -> int:
