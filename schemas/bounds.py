@@ -36,7 +36,7 @@ class WireError(ValueError):
     """A record that is not acceptable JSON; `reason` is a RejectReason value."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__(escape_unsafe(message))  # it may quote what the client sent
         self.reason = reason
 
 
@@ -126,6 +126,29 @@ Identifier = Annotated[str, Field(min_length=1, max_length=127, pattern=IDENTIFI
 JobId = Annotated[str, Field(min_length=1, max_length=64, pattern=JOB_ID_PATTERN)]
 # A client's retry token: printable ASCII without spaces.
 IdempotencyKey = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[!-~]+$")]
+
+
+# What no string on the wire may hold, free text included: C0 controls other than tab, line
+# feed and carriage return, DEL and C1 controls, bidi overrides and isolates (they make a log
+# line or a terminal show something else than what is there), lone surrogates.
+_UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def check_safe(value: str) -> str:
+    """`value` if it holds nothing from _UNSAFE, else ValueError naming what and where."""
+    match = _UNSAFE.search(value)
+    if match is not None:
+        raise ValueError(
+            f"must not contain control or bidi characters (found U+{ord(match.group()):04X} "
+            f"at position {match.start()})"
+        )
+    return value
+
+
+def escape_unsafe(text: str) -> str:
+    """`text` with every unsafe character shown as a `\\uXXXX` escape: for messages that quote
+    what a client sent."""
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def text(max_length: int) -> Any:

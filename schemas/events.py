@@ -4,15 +4,29 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from schemas.bounds import check_safe
 from schemas.job import JobSpec
 
 
 class Payload(BaseModel):
-    # NaN and Infinity are refused on every payload (schemas/bounds.py).
+    # NaN and Infinity are refused on every payload, and so are control and bidi characters
+    # in any string (schemas/bounds.py): ids, names and messages alike.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _safe_strings(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            check_safe(value)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, str):
+                    check_safe(item)
+        return value
 
 
 class RejectReason(StrEnum):

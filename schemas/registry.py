@@ -28,6 +28,12 @@ def upcast(envelope: Envelope) -> Envelope:
     version = envelope.version
     payload = envelope.payload
     target = CURRENT_VERSION.get(envelope.type, 1)
+    if version > target:
+        # Written by a newer producer: guessing at its shape could misread it. Refused with
+        # the reason (a dead letter), to replay once this consumer is upgraded.
+        raise ValueError(
+            f"{envelope.type} version {version} is newer than this consumer reads (up to {target})"
+        )
     while version < target:
         fn = _UPCASTERS.get((envelope.type, version))
         if fn is None:

@@ -23,6 +23,8 @@ from schemas.events import RejectReason
 from schemas.job import JobSpec
 from schemas.registry import upcast
 
+SUBMISSION_TYPE = "JobSubmitted"
+
 
 @dataclass(frozen=True)
 class Submission:
@@ -57,11 +59,21 @@ def parse_submission(raw: bytes) -> Submission | Unparseable:
     if not isinstance(body, dict):
         return Unparseable(RejectReason.MALFORMED, "envelope payload must be a JSON object")
     recovered = _recover_ids(body)
+    if is_envelope and doc.get("type") != SUBMISSION_TYPE:
+        kind = str(doc.get("type"))[:64]
+        return Unparseable(
+            RejectReason.MALFORMED,
+            f"an envelope of type {kind!r} is not a job submission; job.submitted takes "
+            f"{SUBMISSION_TYPE} envelopes or a bare job spec",
+            job_id=recovered.job_id,
+            tenant=recovered.tenant,
+            idempotency_key=recovered.idempotency_key,
+        )
     try:
         envelope = (
             Envelope.model_validate(doc)
             if is_envelope
-            else Envelope(type="JobSubmitted", payload=body, tenant=recovered.tenant)
+            else Envelope(type=SUBMISSION_TYPE, payload=body, tenant=recovered.tenant)
         )
         envelope = upcast(envelope)
         spec = JobSpec.model_validate(envelope.payload)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import ConsumerRecord
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas import topics
-from schemas.bounds import WireError
+from schemas.bounds import WireError, escape_unsafe
 from schemas.envelope import Envelope, parse_envelope
 from schemas.events import DeadLetter, LeaderFence
 from schemas.health import AlertRaised, Severity
@@ -84,12 +85,12 @@ def _letter(
         source_topic=topic,
         partition=partition,
         offset=offset,
-        key=None if key is None else _printable(key[:1024]),
-        value=_printable(head.decode("utf-8", "replace")),
+        key=None if key is None else escape_unsafe(key[:1024]),
+        value=escape_unsafe(head.decode("utf-8", "replace")),
         value_base64=base64.b64encode(head).decode(),
         size=len(raw),
         sha256=hashlib.sha256(raw).hexdigest(),
-        error=_printable(error[:4096]),
+        error=escape_unsafe(error[:4096]),
         consumer=consumer,
         reason=reason,
     )
@@ -122,15 +123,6 @@ def platform_alert(
 
 
 _SAFE_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
-# NUL, other C0/C1 controls and bidi overrides are shown as escapes: a dead letter is read by
-# people (and stored in PostgreSQL, which refuses NUL).
-_UNPRINTABLE = re.compile(
-    r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
-)
-
-
-def _printable(text: str) -> str:
-    return _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def decode_envelopes(
@@ -163,4 +155,22 @@ def decode_envelopes(
             dead.append(dead_letter(record, str(exc), consumer=consumer))
             continue
         good.append(Received(record, envelope))
+    return good, dead
+
+
+def decode_payloads(
+    records: tuple[ConsumerRecord[Any, Any], ...],
+    models: Mapping[str, type[BaseModel]],
+    *,
+    consumer: str,
+) -> tuple[list[tuple[Received, Any]], list[OutMessage]]:
+    """Envelopes and their payloads validated by topic (`models`); a dead letter for every
+    record that is not one (unreadable envelope, or a payload that does not validate)."""
+    received, dead = decode_envelopes(records, consumer=consumer)
+    good: list[tuple[Received, Any]] = []
+    for got in received:
+        try:
+            good.append((got, models[got.record.topic].model_validate(got.envelope.payload)))
+        except ValidationError as exc:
+            dead.append(dead_letter(got.record, describe_validation_error(exc), consumer=consumer))
     return good, dead

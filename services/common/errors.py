@@ -26,6 +26,8 @@ from aiokafka.errors import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from schemas.bounds import escape_unsafe
+
 
 class Failure(StrEnum):
     RETRYABLE = "retryable"
@@ -91,6 +93,6 @@ def refused_for_good(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     """One line naming the error's type and message, for logs and dead letters."""
     text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
+    first = escape_unsafe(text[0][:1000]) if text else ""
     name = type(exc).__name__
     return f"{name}: {first}" if first else name

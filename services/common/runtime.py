@@ -14,9 +14,10 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from services.common.errors import Failure, classify, describe
 from services.common.logging import configure_logging
 from services.common.settings import ServiceSettings
-from services.common.singleton import Singleton
+from services.common.singleton import Singleton, terminate
 
 log = structlog.get_logger()
 
@@ -95,20 +96,33 @@ class Runtime:
         except Exception:
             # As a start-up hook failing would end a service that is not a singleton.
             log.exception("start-up failed; stopping")
-            singleton.on_deposed()
+            terminate()
             return
         await singleton.hold()
 
     async def _guard(self, loop: Callable[[], Awaitable[None]]) -> None:
-        """A background loop that dies is restarted after a pause, never silently lost."""
+        """A background loop that dies is restarted after a pause, never silently lost. A
+        store or the broker being away is no crash: one warning, then backoff (to 10 s)."""
+        pause = 0.5
         while True:
             try:
                 await loop()
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
+                if classify(exc) is Failure.RETRYABLE:
+                    log.warning(
+                        "background loop waiting for a dependency",
+                        loop=loop.__name__,
+                        error=describe(exc),
+                        retry_in_s=pause,
+                    )
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 10.0)
+                    continue
                 log.exception("background loop crashed; restarting", loop=loop.__name__)
+                pause = 0.5
                 await asyncio.sleep(1.0)
 
 

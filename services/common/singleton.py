@@ -10,9 +10,9 @@ The lease is `qm:singleton:<service>` (SET NX PX, renewed every ttl/3 by an atom
 check-and-extend, services.common.lease). The holder keeps working while Redis is away as long
 as its own clock says the lease cannot have lapsed; past the TTL it cannot prove it still
 holds it and steps down. After a Redis restart (the key is gone) the holder takes the lease
-again. A holder that finds another holder in its place was deposed: it stops at once, by
-default by sending itself SIGTERM (an orderly shutdown; the supervisor restarts it, and the
-new process stands by).
+again. A holder that finds another holder in its place was deposed. Stepping down restarts
+the process in place (`restart_as_standby`: exec of the same command, so no supervisor is
+needed and the pid, port and log stay), and the new process stands by until it can lead.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -35,8 +36,19 @@ from services.common.lease import RedisLease
 log = structlog.get_logger()
 
 
-def _terminate() -> None:
+def terminate() -> None:
+    """Stop this process in order (as a supervisor's SIGTERM would)."""
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def restart_as_standby() -> None:
+    """Start this process afresh, in place: same pid, port and log, nothing kept in memory.
+    The new process stands by until it can take the lease. Nothing is lost: offsets not yet
+    committed are redelivered and consumers are idempotent; outbox rows are sent at start."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 class Singleton:
@@ -47,7 +59,7 @@ class Singleton:
         *,
         ttl_s: float = 10.0,
         holder: str | None = None,
-        on_deposed: Callable[[], None] = _terminate,
+        on_deposed: Callable[[], None] = restart_as_standby,
     ) -> None:
         self.service = service
         self.ttl_s = ttl_s

@@ -81,9 +81,18 @@ class Executor:
         # canceled job can still be on its way, then pruned (memory and table).
         self.tombstones: dict[str, float] = {}
         self._changing = asyncio.Lock()
+        self._stale = False  # memory may be ahead of the store (see _reload)
 
     async def restore(self) -> None:
-        jobs, self.epoch, self.tombstones = await self.store.load()
+        self._rebuild(*await self.store.load())
+
+    def _rebuild(self, jobs: list[RunningJob], epoch: int, tombstones: dict[str, float]) -> None:
+        """Memory as the store has it (after a start, or after a failed transaction)."""
+        for job_id in list(self.book.by_job):
+            self.book.release(job_id)
+        self.running.clear()
+        self.due.clear()
+        self.epoch, self.tombstones = epoch, tombstones
         for job in jobs:
             if self.book.check(job.replicas, new=False) is None:
                 self.book.allocate(job.job_id, job.replicas)
@@ -128,6 +137,8 @@ class Executor:
         # One change at a time: a run that ends by its clock must not also be stopped,
         # preempted, checkpointed or handed back by a batch processed meanwhile.
         async with self._changing:
+            if self._stale:
+                await self._reload()
             try:
                 await self._commit(mine, dead, fence)
             except Exception:
@@ -392,6 +403,8 @@ class Executor:
         """End every run whose (virtual) run time is over: job.finished, or job.run.failed
         when the job itself failed."""
         async with self._changing:
+            if self._stale:
+                await self._reload()
             return await self._finish_due(now)
 
     async def _finish_due(self, now: float) -> int:
@@ -442,8 +455,10 @@ class Executor:
         return len(old)
 
     async def _reload(self) -> None:
-        for job_id in list(self.book.by_job):
-            self.book.release(job_id)
-        self.running.clear()
-        self.due.clear()
-        await self.restore()
+        """Rebuild memory from the store. Until that succeeds (the store may be the reason the
+        transaction failed) memory counts as stale, and nothing is decided on it: every batch
+        and every clock tick tries the reload first. Memory is replaced only once the store
+        has been read, never cleared before."""
+        self._stale = True
+        self._rebuild(*await self.store.load())
+        self._stale = False

@@ -40,18 +40,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
+    # Each step returns the dead letters the gateway owes; sent before the offsets move.
     async def handle(records: Records) -> None:
-        await holder["projector"].process(records)
+        await consumers.publish(await holder["projector"].process(records))
 
     async def usage_ticks(records: Records) -> None:
-        await app.state.usage.process(records)
+        await consumers.publish(await app.state.usage.process(records))
 
     consumers.subscribe(
         *usage.USAGE_TOPICS, group_id=f"{settings.group_id}-usage", handle=usage_ticks
     )
 
     async def explanations(records: Records) -> None:
-        await record_explanations(app.state.gateway.pool, records)
+        await consumers.publish(await record_explanations(app.state.gateway.pool, records))
 
     consumers.subscribe(
         topics.SCHEDULING_EXPLAINED, group_id=f"{settings.group_id}-explain", handle=explanations

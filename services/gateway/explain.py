@@ -8,11 +8,13 @@ from typing import Any
 import asyncpg
 from aiokafka import ConsumerRecord
 from fastapi import APIRouter, Depends, HTTPException
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
+from schemas import topics
 from schemas.events import PendingExplained
 from schemas.job import JobState
-from services.common.deadletter import decode_envelopes
+from services.common.deadletter import decode_payloads
+from services.common.kafka import OutMessage
 from services.gateway import store
 from services.gateway.auth import Principal
 from services.gateway.context import Gateway
@@ -32,15 +34,14 @@ class Explanation(BaseModel):
 
 async def record_explanations(
     pool: asyncpg.Pool, records: tuple[ConsumerRecord[Any, Any], ...]
-) -> None:
-    """Keep the newest explanation per job (replays and reordering cannot roll it back)."""
-    received, _ = decode_envelopes(records, consumer="gateway")
+) -> list[OutMessage]:
+    """Keep the newest explanation per job (replays and reordering cannot roll it back);
+    returns dead letters for what is not an explanation."""
+    received, dead = decode_payloads(
+        records, {topics.SCHEDULING_EXPLAINED: PendingExplained}, consumer="gateway"
+    )
     rows = {}
-    for got in received:
-        try:
-            p = PendingExplained.model_validate(got.envelope.payload)
-        except ValidationError:
-            continue
+    for got, p in received:
         rows[p.job_id] = (p.job_id, p.codes, p.message, p.pending_jobs, got.envelope.occurred_at)
     if rows:
         await pool.executemany(
@@ -51,6 +52,7 @@ async def record_explanations(
             " WHERE gateway.explanations.at <= EXCLUDED.at",
             list(rows.values()),
         )
+    return dead
 
 
 @router.get("/jobs/{job_id}/explain", response_model=Explanation)

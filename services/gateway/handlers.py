@@ -8,7 +8,7 @@ from typing import Any
 import asyncpg
 import structlog
 from aiokafka import ConsumerRecord
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -27,7 +27,8 @@ from schemas.events import (
     PreemptionCanceled,
     RunFailed,
 )
-from services.common.deadletter import decode_envelopes
+from services.common.deadletter import decode_payloads
+from services.common.kafka import OutMessage
 from services.gateway import store
 from services.gateway.projection import EventLine, JobView, project
 
@@ -48,6 +49,23 @@ PROJECTED: dict[str, type[BaseModel]] = {
 }
 
 
+# Topics whose bad records only the gateway reads with a store behind it: it dead-letters
+# those; on the others the queue or another outboxed consumer already does.
+GATEWAY_DEAD_LETTERS = frozenset(
+    {
+        topics.JOB_QUEUED,
+        topics.JOB_REJECTED,
+        topics.PREEMPTION_CANCELED,
+        topics.SCHEDULING_EXPLAINED,
+        topics.USAGE_TICK,
+    }
+)
+
+
+def owed_dead_letters(dead: list[OutMessage]) -> list[OutMessage]:
+    return [d for d in dead if d.key in GATEWAY_DEAD_LETTERS]  # keyed by source topic
+
+
 def feed_channel(job_id: str) -> str:
     return f"qm:job-events:{job_id}"
 
@@ -59,20 +77,17 @@ class Projector:
         self.skipped = 0
         self.feed_dropped = 0  # live feed lines lost to Redis outages
 
-    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
-        # Bad input is the queue's to dead-letter; the read model just skips what it cannot read.
-        received, dead = decode_envelopes(records, consumer="gateway")
+    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> list[OutMessage]:
+        """Project the records; returns the dead letters the gateway owes (for the topics no
+        other service dead-letters, GATEWAY_DEAD_LETTERS); what it cannot read it skips."""
+        received, dead = decode_payloads(records, PROJECTED, consumer="gateway")
         self.skipped += len(dead)
-        items = []
-        for got in received:
-            try:
-                payload = PROJECTED[got.record.topic].model_validate(got.envelope.payload)
-            except ValidationError:
-                self.skipped += 1
-                continue
-            if getattr(payload, "job_id", None):
-                items.append((got.envelope, payload))
+        items = [
+            (got.envelope, payload) for got, payload in received if getattr(payload, "job_id", None)
+        ]
+        owed = owed_dead_letters(dead)
         if not items:
+            return owed
             return
         lines: list[EventLine] = []
         async with self.pool.acquire() as conn, conn.transaction():
@@ -102,3 +117,4 @@ class Projector:
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 self.feed_dropped += len(lines)
                 log.warning("live feed not published: Redis is unreachable", error=str(exc))
+        return owed

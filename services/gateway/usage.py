@@ -16,11 +16,12 @@ from typing import Annotated, Any
 import asyncpg
 from aiokafka import ConsumerRecord
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import topics
 from schemas.usage import UsageTick
-from services.common.deadletter import decode_envelopes
+from services.common.deadletter import decode_payloads
+from services.common.kafka import OutMessage
 from services.gateway.auth import Principal, Role
 from services.gateway.routes import GatewayDep, PrincipalDep
 
@@ -55,18 +56,16 @@ class UsageProjector:
         self.skipped = 0
         self.projected = 0  # ticks new to the read model
 
-    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
-        # Unreadable ticks are the meter's bug, not ours to dead-letter: skip and count them.
-        received, dead = decode_envelopes(records, consumer="gateway")
+    async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> list[OutMessage]:
+        """Project the ticks; returns dead letters for the records that are not ticks (the
+        gateway is the only consumer of usage.tick with a store: finance reads the topic)."""
+        received, dead = decode_payloads(
+            records, dict.fromkeys(USAGE_TOPICS, UsageTick), consumer="gateway"
+        )
         self.skipped += len(dead)
-        ticks: list[UsageTick] = []
-        for got in received:
-            try:
-                ticks.append(UsageTick.model_validate(got.envelope.payload))
-            except ValidationError:
-                self.skipped += 1
+        ticks: list[UsageTick] = [tick for _, tick in received]
         if not ticks:
-            return
+            return dead
         rows = await self.pool.fetch(
             "INSERT INTO gateway.usage_ticks (tick_id, kind, run_id, job_id, tenant, project,"
             ' "user", cluster, accelerator_type, price_tier, interval_index, interval_start,'
@@ -79,6 +78,7 @@ class UsageProjector:
             *_columns(ticks),
         )
         self.projected += len(rows)
+        return dead
 
 
 def _num(value: float) -> Decimal:
