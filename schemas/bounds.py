@@ -106,20 +106,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 # Label keys and other identifiers a platform may namespace (`team.example/owner`).
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,126}$"
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
-# C0 and C1 controls (tab excepted), DEL, bidi overrides and isolates, lone surrogates.
-_FORBIDDEN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def _plain_text(value: str) -> str:
-    match = _FORBIDDEN_TEXT.search(value)
-    if match is not None:
-        raise ValueError(
-            f"must not contain control or bidi characters (found U+{ord(match.group()):04X} "
-            f"at position {match.start()})"
-        )
-    return value
-
-
 # A team, project, user, queue, priority class, cluster: what a person types.
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
 Identifier = Annotated[str, Field(min_length=1, max_length=127, pattern=IDENTIFIER_PATTERN)]
@@ -132,17 +118,27 @@ IdempotencyKey = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[
 # feed and carriage return, DEL and C1 controls, bidi overrides and isolates (they make a log
 # line or a terminal show something else than what is there), lone surrogates.
 _UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# Free text in a job spec (a name, an image, a command word): one line, tab allowed.
+_FORBIDDEN_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
-def check_safe(value: str) -> str:
-    """`value` if it holds nothing from _UNSAFE, else ValueError naming what and where."""
-    match = _UNSAFE.search(value)
+def _refuse(value: str, forbidden: re.Pattern[str]) -> str:
+    match = forbidden.search(value)
     if match is not None:
         raise ValueError(
             f"must not contain control or bidi characters (found U+{ord(match.group()):04X} "
             f"at position {match.start()})"
         )
     return value
+
+
+def check_safe(value: str) -> str:
+    """`value` if it holds nothing unsafe, else ValueError naming what and where."""
+    return _refuse(value, _UNSAFE)
+
+
+def _plain_text(value: str) -> str:
+    return _refuse(value, _FORBIDDEN_TEXT)
 
 
 def escape_unsafe(text: str) -> str:
