@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.bounds import MAX_RECORD_BYTES, Identifier, Name, WireError, parse_json
+from schemas.bounds import MAX_RECORD_BYTES, Identifier, Name, WireError, parse_json, plain
 from schemas.ids import new_id
 
 
@@ -45,6 +45,10 @@ class Envelope(BaseModel):
 def parse_envelope(raw: bytes | str, *, max_bytes: int = MAX_RECORD_BYTES) -> Envelope:
     """A record's envelope, strictly: bounded, strict JSON (schemas.bounds.parse_json), then
     validated. Raises WireError or pydantic's ValidationError (both ValueErrors)."""
+    if isinstance(raw, bytes) and len(raw) <= max_bytes and plain(raw):
+        # Nothing the strict walk could refuse: pydantic parses the bytes itself (the hot
+        # path of every consumer; several times faster than json.loads, walk and validate).
+        return Envelope.model_validate_json(raw)
     doc = parse_json(raw, max_bytes=max_bytes)
     if not isinstance(doc, dict):
         raise WireError("malformed", f"the message must be a JSON object, got {type(doc).__name__}")

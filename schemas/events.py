@@ -4,29 +4,17 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.bounds import check_safe
 from schemas.job import JobSpec
 
 
 class Payload(BaseModel):
-    # NaN and Infinity are refused on every payload, and so are control and bidi characters
-    # in any string (schemas/bounds.py): ids, names and messages alike.
+    # NaN and Infinity are refused on every payload. Control and bidi characters in any string
+    # of a record are refused when it is parsed (schemas.bounds.parse_json, parse_envelope),
+    # once for the whole record rather than field by field.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _safe_strings(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            check_safe(value)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                if isinstance(item, str):
-                    check_safe(item)
-        return value
 
 
 class RejectReason(StrEnum):
