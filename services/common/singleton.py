@@ -45,10 +45,15 @@ def restart_as_standby() -> None:
     """Start this process afresh, in place: same pid, port and log, nothing kept in memory.
     The new process stands by until it can take the lease. Nothing is lost: offsets not yet
     committed are redelivered and consumers are idempotent; outbox rows are sent at start."""
+    argv = sys.orig_argv
+    if not any(arg.startswith("services.") for arg in argv[1:3]):
+        # Not a service process (an app run inside a test, say): exec would replace it.
+        log.error("deposed outside a service process; not restarting it", argv=argv[:3])
+        return
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os.execv(sys.executable, sys.orig_argv)
+    os.execv(sys.executable, argv)
 
 
 class Singleton:
