@@ -145,9 +145,10 @@ async def test_an_unknown_error_is_retried_while_the_stores_are_away() -> None:
     h = Harness(probe_fails=True)
     group = h.group()
     task = asyncio.create_task(group.run((record(b"bug", 0),)))
-    while h.calls < 3:  # noqa: ASYNC110 (polling a plain counter)
-        await asyncio.sleep(0.01)
-    assert not task.done()  # a bug during an outage is not taken for a bad record
+    async with asyncio.timeout(30):  # a failure to report, never a hang
+        while h.calls < 3 and not task.done():  # noqa: ASYNC110 (polling a plain counter)
+            await asyncio.sleep(0.01)
+    assert not task.done(), task  # a bug during an outage is not taken for a bad record
     assert h.published == []
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
