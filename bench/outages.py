@@ -321,7 +321,8 @@ def main() -> None:
     print(
         f"jobs {figures['jobs']}: terminal once {figures['terminal_once']}, lost "
         f"{figures['lost']}, duplicate effects {figures['duplicate_effects']}, over-committed "
-        f"nodes {figures['double_allocations']}; recovery {figures['recovery_s']}; stall "
+        f"nodes {figures['double_allocations']}, resent {figures['redelivered']}; "
+        f"recovery {figures['recovery_s']}; stall "
         f"alerts {figures['stall_alerts']}; died {figures['died'] or 'none'}; "
         f"{time.monotonic() - started:.0f} s"
     )

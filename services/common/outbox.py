@@ -116,6 +116,10 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._queue: list[Staged] = []
         self._inflight: set[int] = set()
+        # Rows the broker has but whose delete failed (the database went away between the
+        # two): the scan deletes them without sending them again. Only a crash in that
+        # window sends a row twice (consumers dedupe by event id).
+        self._sent: set[int] = set()
         self.unpublishable = 0  # events the broker refused for good (dead-lettered)
 
     @contextlib.asynccontextmanager
@@ -224,9 +228,13 @@ class OutboxRelay:
                         for m in st.messages
                     ]
                 )
-                await self._pool.execute(
-                    f'DELETE FROM "{self._schema}".outbox WHERE id = ANY($1::bigint[])', ids
-                )
+                try:
+                    await self._pool.execute(
+                        f'DELETE FROM "{self._schema}".outbox WHERE id = ANY($1::bigint[])', ids
+                    )
+                except BaseException:
+                    self._sent.update(ids)
+                    raise
             finally:
                 # Published or not, the rows are the scan's business from here on.
                 self._inflight.difference_update(ids)
@@ -266,9 +274,14 @@ class OutboxRelay:
             rows = sorted(rows, key=lambda r: r["id"])
             # The delete commits only once the broker has every message.
             await self._publish(
-                [(r["topic"], r["key"], r["event_type"], bytes(r["value"])) for r in rows]
+                [
+                    (r["topic"], r["key"], r["event_type"], bytes(r["value"]))
+                    for r in rows
+                    if r["id"] not in self._sent
+                ]
             )
-            return len(rows)
+        self._sent.difference_update(r["id"] for r in rows)
+        return len(rows)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
         loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import topics
 from services.common.kafka import MAX_PRODUCER_BATCH, OutMessage, envelope_for, make_broker
@@ -17,6 +18,25 @@ from services.common.settings import ServiceSettings
 from tests.integration.kafka_tools import collect
 
 pytestmark = pytest.mark.integration
+
+
+async def every_record(bootstrap: str, topic: str) -> list[dict[str, Any]]:
+    """Every JSON record on `topic` up to its high watermark now, duplicates included."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        out: list[dict[str, Any]] = []
+        while True:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                out += [json.loads(r.value) for r in records]
+            marks = [(await consumer.position(tp), consumer.highwater(tp)) for tp in parts]
+            if all(hw is not None and pos >= hw for pos, hw in marks):
+                return out
+    finally:
+        await consumer.stop()
 
 
 async def test_a_message_the_broker_refuses_is_dead_lettered_and_its_neighbours_go_out(
@@ -83,3 +103,64 @@ async def test_a_message_the_broker_refuses_is_dead_lettered_and_its_neighbours_
     finally:
         await broker.stop()
         await pool.close()
+
+
+async def test_rows_the_broker_has_are_not_sent_again_when_their_delete_failed(
+    topics_ready: str, fresh_database_url: str
+) -> None:
+    """The database goes away between the broker's acknowledgement and the delete (here: the
+    delete times out behind a lock): the rows stay, and the scan that finds them later deletes
+    them without sending them a second time."""
+    schema = "relay_resend"
+    admin = await asyncpg.connect(fresh_database_url)
+    await admin.execute(
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
+        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
+        " created_at timestamptz NOT NULL DEFAULT now())"
+    )
+    # A short statement timeout makes the delete fail (not hang) while the table is locked.
+    pool = await asyncpg.create_pool(
+        fresh_database_url, min_size=1, max_size=2, server_settings={"statement_timeout": "300"}
+    )
+    assert pool is not None
+    broker = make_broker(ServiceSettings(kafka_bootstrap=topics_ready), "relay-test")
+    await broker.connect()
+    run = uuid.uuid4().hex[:8]
+    messages = [
+        OutMessage(
+            topics.JOB_CANCEL_REQUESTED,
+            f"{run}-{i}",
+            envelope_for(
+                "JobCancelRequested",
+                {"job_id": f"{run}-{i}", "requested_by": "relay-test", "reason": "r"},
+                producer="relay-test",
+            ),
+        )
+        for i in range(3)
+    ]
+    try:
+        relay = OutboxRelay(pool, broker, schema)
+        async with pool.acquire() as conn:
+            staged = await add_to_outbox(conn, schema, messages)
+        relay.committed(staged)
+        locker = admin.transaction()
+        await locker.start()
+        await admin.execute(f"LOCK TABLE {schema}.outbox IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(asyncpg.QueryCanceledError):
+            await relay.publish_committed()
+        await locker.rollback()
+        assert await pool.fetchval(f"SELECT count(*) FROM {schema}.outbox") == 3
+        assert await relay.flush(min_age_s=0) == 3  # found, deleted, not sent
+        assert await pool.fetchval(f"SELECT count(*) FROM {schema}.outbox") == 0
+
+        # Every record on the topic, duplicates included (collect() skips repeated ids).
+        ids = sorted(
+            env["payload"]["job_id"]
+            for env in await every_record(topics_ready, topics.JOB_CANCEL_REQUESTED)
+            if run in json.dumps(env)
+        )
+        assert ids == [f"{run}-{i}" for i in range(3)], ids
+    finally:
+        await broker.stop()
+        await pool.close()
+        await admin.close()

@@ -1,11 +1,12 @@
-"""The chaos audit's node-use rebuild: it must neither miss an over-commit nor invent one when
-two leaders placed one attempt on different nodes and only one copy ran."""
+"""The chaos audit. Its node-use rebuild must neither miss an over-commit nor invent one when
+two leaders placed one attempt on different nodes and only one copy ran; it counts an event
+sent twice (same id, an outbox retransmission) once, and two events for one run as two."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.chaos import overcommitted_nodes
+from bench.chaos import first_copies, overcommitted_nodes
 from schemas import topics
 
 CLUSTER = "onprem-h100"
@@ -54,3 +55,13 @@ def test_two_full_runs_on_one_node_at_once_are_caught() -> None:
     assert overcommitted_nodes(events) == 1
     ended = [*events[:2], edge(topics.JOB_FINISHED, "a", "01.5", N0), *events[2:]]
     assert overcommitted_nodes(ended) == 0
+
+
+def test_a_retransmission_is_one_event_and_two_ids_are_two() -> None:
+    a = ("job.finished", {"event_id": "e1", "payload": {"job_id": "j", "attempt": 1}})
+    again = ("job.finished", {"event_id": "e1", "payload": {"job_id": "j", "attempt": 1}})
+    other = ("job.finished", {"event_id": "e2", "payload": {"job_id": "j", "attempt": 1}})
+    assert first_copies([a, again]) == [a]
+    assert first_copies([a, again, other]) == [a, other]
+    no_id = ("job.finished", {"payload": {"job_id": "k"}})
+    assert first_copies([no_id, no_id]) == [no_id, no_id]  # nothing to tell them apart by
