@@ -252,6 +252,15 @@ class OutboxRelay:
         return total
 
     async def _flush_once(self, min_age_s: float) -> int:
+        published: list[int] = []
+        try:
+            return await self._scan(min_age_s, published)
+        except BaseException:
+            # Sent, but the delete did not commit (the database went away): not again.
+            self._sent.update(published)
+            raise
+
+    async def _scan(self, min_age_s: float, published: list[int]) -> int:
         async with self._pool.acquire() as conn, conn.transaction():
             # SKIP LOCKED lets several replicas of a service relay without sending a row twice.
             # Only rows older than the oldest one in flight: an index range, where excluding
@@ -280,7 +289,8 @@ class OutboxRelay:
                     if r["id"] not in self._sent
                 ]
             )
-        self._sent.difference_update(r["id"] for r in rows)
+            published += [r["id"] for r in rows]
+        self._sent.difference_update(published)
         return len(rows)
 
     async def run_forever(self, interval_s: float = 1.0) -> None:
