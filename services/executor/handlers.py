@@ -430,8 +430,11 @@ class Executor:
                 )
                 tx.emit(out)
         except Exception:
-            for job in due:  # try again on the next tick
-                heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
+            # The commit may have gone through all the same (a connection lost while
+            # committing): ending these runs again would announce their end twice, with new
+            # event ids. The next tick reads the store back first (_reload): runs still there
+            # end then, runs gone are not ended again.
+            self._stale = True
             raise
         for job in due:
             self.running.pop(job.job_id, None)

@@ -132,3 +132,22 @@ class LogReader:
                     self.events.append((tp.topic, env))
                     self.located.append((tp.topic, tp.partition, r.offset, env))
         return self.events
+
+
+async def every_record(bootstrap: str, topic: str) -> list[dict[str, Any]]:
+    """Every JSON record on `topic` up to its high watermark now, duplicates included."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        out: list[dict[str, Any]] = []
+        while True:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                out += [json.loads(r.value) for r in records]
+            marks = [(await consumer.position(tp), consumer.highwater(tp)) for tp in parts]
+            if all(hw is not None and pos >= hw for pos, hw in marks):
+                return out
+    finally:
+        await consumer.stop()

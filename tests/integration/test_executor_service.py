@@ -6,8 +6,10 @@ as retryable run failures, and reports gang progress with stragglers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,7 +30,7 @@ from services.executor.app import create_app
 from services.executor.settings import ExecutorSettings
 from services.executor.store import schema_for
 from tests.integration.conftest import running
-from tests.integration.kafka_tools import collect, produce
+from tests.integration.kafka_tools import collect, every_record, produce
 
 CLUSTER = "onprem-h100"
 NODE = "onprem-h100-h100-0031"
@@ -511,3 +513,73 @@ async def test_progress_shows_the_replica_on_a_slowed_node(service_env: dict[str
         steps = {r["node_id"]: r["step_time_s"] for r in env["payload"]["replicas"]}
         assert 1.9 < steps[node(28)] < 2.1, steps
         assert 2.8 < steps[node(29)] / steps[node(28)] < 3.2, steps
+
+
+class CommitInDoubt:
+    """The executor's outbox relay, except that the first transaction's commit is answered by a
+    dropped connection: the commit went through, but the executor cannot know it (a database
+    or network cut at that moment, as in bench/outages.py)."""
+
+    def __init__(self, relay: Any) -> None:
+        self._relay = relay
+        self.dropped = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._relay, name)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Any]:
+        async with self._relay.transaction() as tx:
+            yield tx
+        if not self.dropped.is_set():
+            self.dropped.set()
+            raise ConnectionResetError("connection lost while committing")
+
+
+async def test_a_run_end_whose_commit_is_in_doubt_is_announced_once(
+    service_env: dict[str, Any],
+) -> None:
+    """A run ends by its clock; the database answers the commit with a dropped connection
+    although the commit went through. The executor reads its store back before ending anything
+    again, so the run's end goes out once (it used to end the run a second time, with a second
+    job.finished, on the next tick)."""
+    run = uuid.uuid4().hex[:8]
+    job_id = f"{run}-doubt"
+    settings = ExecutorSettings(**service_env, executor_cluster=CLUSTER, time_scale=1.0)
+    app = create_app(settings)
+    bootstrap = service_env["kafka_bootstrap"]
+    spec = JobSpec(tenant="vision", job_id=job_id, labels={"sim_duration_s": "6"})
+    p = PlacementDecided(
+        job_id=job_id,
+        attempt=1,
+        epoch=EPOCH,
+        leader="test",
+        cluster=CLUSTER,
+        accelerator_type="H100",
+        spec=spec,
+        replicas=[ReplicaAssignment(replica=0, node_id=NODE, accelerators=1, cpu=1, memory_gb=1)],
+    )
+    env = Envelope(type="PlacementDecided", payload=p.model_dump(mode="json"))
+    async with running(app):
+        executor = app.state.executor["executor"]
+        record = (job_id, env.model_dump_json().encode())
+        await produce(bootstrap, topics.PLACEMENT_DECIDED, [record])
+        started = await collect(
+            bootstrap, (topics.JOB_STARTED,), lambda _t, e: e["payload"]["job_id"] == job_id, 1
+        )
+        assert started, "the run did not start"
+        doubt = CommitInDoubt(executor.relay)
+        executor.relay = doubt  # from here on: the next transaction is the run's end
+        async with asyncio.timeout(60):
+            await doubt.dropped.wait()  # the run ended by its clock; its commit "failed"
+        # Whatever the clock loop does next, one more tick past the run's end:
+        with contextlib.suppress(Exception):
+            await executor.finish_due(datetime.now(UTC).timestamp() + 60)
+        await doubt.publish_committed()
+        await doubt.flush(min_age_s=0)
+        ends = [
+            e
+            for e in await every_record(bootstrap, topics.JOB_FINISHED)
+            if e["payload"].get("job_id") == job_id
+        ]
+    assert len(ends) == 1, ends

@@ -9,34 +9,14 @@ from typing import Any
 
 import asyncpg
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import topics
 from services.common.kafka import MAX_PRODUCER_BATCH, OutMessage, envelope_for, make_broker
 from services.common.outbox import OutboxRelay, add_to_outbox
 from services.common.settings import ServiceSettings
-from tests.integration.kafka_tools import collect
+from tests.integration.kafka_tools import collect, every_record
 
 pytestmark = pytest.mark.integration
-
-
-async def every_record(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    """Every JSON record on `topic` up to its high watermark now, duplicates included."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        out: list[dict[str, Any]] = []
-        while True:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                out += [json.loads(r.value) for r in records]
-            marks = [(await consumer.position(tp), consumer.highwater(tp)) for tp in parts]
-            if all(hw is not None and pos >= hw for pos, hw in marks):
-                return out
-    finally:
-        await consumer.stop()
 
 
 async def test_a_message_the_broker_refuses_is_dead_lettered_and_its_neighbours_go_out(
