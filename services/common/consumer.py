@@ -267,7 +267,11 @@ class Group:
         if probe is None:
             return Failure.PERMANENT
         try:
-            await asyncio.wait_for(probe(), 5.0)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation that
+            # arrives as the probe fails, and this retry loop then never ends (a hang at
+            # shutdown while the stores are away).
+            async with asyncio.timeout(5.0):
+                await probe()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -347,7 +351,8 @@ class Group:
             producer=service,
         )
         try:
-            await asyncio.wait_for(self.owner.publish([message]), 10.0)
+            async with asyncio.timeout(10.0):
+                await self.owner.publish([message])
         except asyncio.CancelledError:
             raise
         except Exception:

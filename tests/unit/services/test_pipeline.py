@@ -152,7 +152,28 @@ async def test_an_unknown_error_is_retried_while_the_stores_are_away() -> None:
     assert h.published == []
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
+        async with asyncio.timeout(10):  # a lost cancellation fails here instead of hanging
+            await task
+
+
+async def test_a_shutdown_while_the_probe_fails_is_not_lost() -> None:
+    """The cancellation (a shutdown) arrives just as the probe fails: asyncio.wait_for on
+    Python 3.11 returned the probe's error instead, and the retry loop never ended."""
+    h = Harness()
+    group = h.group()
+    task: asyncio.Task[None] | None = None
+
+    async def probe_fails_as_shutdown_comes() -> None:
+        assert task is not None
+        task.cancel()
+        raise ConnectionRefusedError("database is away")
+
+    h.consumers.probe = probe_fails_as_shutdown_comes
+    task = asyncio.create_task(group.run((record(b"bug", 0),)))
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(10):
+            await task
+    assert h.published == []
 
 
 async def test_an_unknown_error_gives_the_record_up_when_the_stores_answer() -> None:
