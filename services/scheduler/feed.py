@@ -103,7 +103,7 @@ class Feed:
         highwater = self._consumer.highwater(tp)
         if highwater is None or highwater < end:
             return False
-        return await self._consumer.position(tp) >= highwater
+        return bool(await self._consumer.position(tp) >= highwater)
 
     async def run(self) -> None:
         assert self._consumer is not None

@@ -1,37 +1,23 @@
-"""Applying the scheduler's topics to its state, and the leader's decide-then-publish cycle."""
+"""Applying the scheduler's topics to its state (the feed's side), the scheduler's metrics, and
+the leader's fences. The leader's cycle is in cycle.py, its loop in leadership.py."""
 
 from __future__ import annotations
 
-import heapq
-import random
-import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 import structlog
 from aiokafka import ConsumerRecord
-from faststream.kafka import KafkaBroker
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import ValidationError
 
-from core.cycle import schedule
-from core.decisions import PreemptionDecision
-from core.fairshare import accrue
-from core.model import Allocation, JobId, TenantId
-from core.policy import Policy
-from core.reasons import PendingExplanation, ReasonCode
 from schemas import topics
 from schemas.envelope import Envelope, parse_envelope
-from schemas.events import Claim as WireClaim
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
     JobPreempted,
     JobQueued,
     LeaderFence,
-    PendingExplained,
     PlacementDecided,
     PlacementRefused,
     PreemptionCanceled,
@@ -40,17 +26,11 @@ from schemas.events import (
 )
 from schemas.health import NodeRecovered, NodeUnhealthy
 from schemas.usage import BudgetExceeded
-from services.common.kafka import OutMessage, envelope_for, publish_all
-from services.scheduler.convert import placement_event
+from services.common.kafka import OutMessage, envelope_for
 from services.scheduler.state import SchedulerState
 
 log = structlog.get_logger()
 PRODUCER = "scheduler"
-EXPLAIN_EVERY_S = 10.0
-# A big backlog changes thousands of sentences per cycle; publishing them all made one cycle's
-# publish take seconds (measured under the chaos mix: ~5,000 messages, up to 2.6 s, against a
-# 3 s lease). What does not go out now goes out in a later cycle.
-EXPLAIN_PER_CYCLE = 500
 
 FEED_TOPICS = (
     topics.CLUSTER_CAPACITY,
@@ -91,12 +71,24 @@ class SchedulerMetrics:
         )
         self.publish_failed = Counter(
             "qm_scheduler_publish_failures_total",
-            "Cycles whose publish failed (nothing of them applied; decided again)",
+            "Cycles whose publish failed in whole or part (only what the broker acknowledged "
+            "was applied; the rest is decided again)",
+            registry=registry,
+        )
+        self.cycle_failures = Counter(
+            "qm_scheduler_cycle_failures_total",
+            "Cycles that raised, by error type (the leader backs off and decides again)",
+            ["error"],
+            registry=registry,
+        )
+        self.redis_outages = Counter(
+            "qm_scheduler_redis_outages_total",
+            "Times the leader lease's Redis stopped answering (the scheduler stood by)",
             registry=registry,
         )
         self.publish = Histogram(
             "qm_scheduler_publish_seconds",
-            "From the lease renewal that let a cycle go out until the broker had all of it",
+            "From the start of a cycle's publish until the broker answered every message",
             registry=registry,
         )
         self.preemptions = Counter(
@@ -168,30 +160,6 @@ def _apply(state: SchedulerState, record: ConsumerRecord[Any, Any], env: Envelop
         state.on_node_health(NodeRecovered.model_validate(env.payload).node_id, healthy=True)
 
 
-def worth_telling(
-    pending: Mapping[JobId, PendingExplanation],
-    told: Mapping[JobId, tuple[tuple[str, ...], str, float]],
-    now: float,
-    limit: int = EXPLAIN_PER_CYCLE,
-) -> list[JobId]:
-    """The pending jobs whose explanation should go out now, at most `limit`: first jobs never
-    told, then jobs whose reason codes changed, then changed sentences (same codes) told
-    longest ago, once EXPLAIN_EVERY_S has passed since they were."""
-    ranked: list[tuple[int, float, JobId]] = []
-    for job_id, why in pending.items():
-        codes = tuple(str(c) for c in why.codes)
-        last = told.get(job_id)
-        if last is None:
-            ranked.append((0, 0.0, job_id))
-        elif last[0] != codes:
-            ranked.append((1, last[2], job_id))
-        elif last[1] != why.message and now - last[2] >= EXPLAIN_EVERY_S:
-            ranked.append((2, last[2], job_id))
-    if len(ranked) > limit:
-        ranked = heapq.nsmallest(limit, ranked, key=lambda r: (r[0], r[1]))
-    return [job_id for *_, job_id in ranked]
-
-
 def fence_messages(epoch: int, leader: str, partitions: list[tuple[str, int]]) -> list[OutMessage]:
     """A new leader's fence, one per partition of the topics it decides on (see LeaderFence)."""
     fence = LeaderFence(epoch=epoch, leader=leader)
@@ -204,227 +172,3 @@ def fence_messages(epoch: int, leader: str, partitions: list[tuple[str, int]]) -
         )
         for topic, partition in partitions
     ]
-
-
-class Cycle:
-    """Decide with the core, publish the decisions, then apply them to the state: a publish
-    that fails leaves the state as the log has it (no phantom placement holding capacity),
-    and the jobs are decided again."""
-
-    def __init__(
-        self,
-        state: SchedulerState,
-        policy: Policy,
-        broker: KafkaBroker,
-        metrics: SchedulerMetrics,
-        leader: str,
-        seed: int,
-        time_scale: float = 1.0,
-    ) -> None:
-        self.state = state
-        self.policy = policy
-        self.broker = broker
-        self.metrics = metrics
-        self.leader = leader
-        self.rng = random.Random(seed)
-        self.time_scale = time_scale
-        # What each pending job was last told, so only changes go out.
-        self.told: dict[JobId, tuple[tuple[str, ...], str, float]] = {}
-        self.usage: dict[TenantId, float] = {}
-        self.last_accrual: float | None = None
-
-    def _policy_for(self, now: float) -> Policy:
-        """The policy with this month's budget deprioritizations applied to tenant weights."""
-        month = datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
-        factors = self.state.weight_factors(month)
-        if not factors:
-            return self.policy
-        tenants = {
-            name: replace(t, weight=t.weight * factors.get(name, 1.0))
-            for name, t in self.policy.tenants.items()
-        }
-        return replace(self.policy, tenants=tenants)
-
-    def _accrue(self, now: float) -> None:
-        """Decayed past usage per tenant, in fleet (virtual) accelerator-seconds."""
-        elapsed = 0.0 if self.last_accrual is None else max(0.0, now - self.last_accrual)
-        self.last_accrual = now
-        self.usage = accrue(
-            self.usage,
-            self.state.running.values(),
-            elapsed * self.time_scale,
-            self.policy.fair_share.half_life_s,
-        )
-
-    async def run_once(
-        self,
-        epoch: int,
-        now: float | None = None,
-        still_leading: Callable[[], Awaitable[bool]] | None = None,
-    ) -> int:
-        """One cycle at wall-clock time `now`; the core decides in fleet time.
-
-        `still_leading` is asked after deciding and before anything is applied or published: a
-        long cycle can outlast the lease, and a deposed leader's decisions must not go out
-        next to its successor's (executors fence old epochs only once they have seen the new
-        one). Nothing of a dropped cycle touches the state."""
-        state = self.state
-        now = time.time() if now is None else now
-        with self.metrics.cycle.time():
-            state.dirty = False
-            self._accrue(now)
-            snapshot = replace(state.snapshot(now), usage=self.usage)
-            policy = self._policy_for(now)
-            result = schedule(snapshot, policy, state.fleet_time(now), self.rng)
-            # Built at once, from the state the core decided on (no await in between); the
-            # state itself changes only once the broker has all of it.
-            placements = [p for alloc in result.placements if (p := self._placement(alloc, epoch))]
-            requests = [
-                r
-                for decision in result.preemptions
-                for r in self._preemptions(decision, policy, epoch)
-            ]
-            pending = dict(result.pending)
-            pending.update(self._backoffs(now))
-            explained, told = self._explanations(pending, now)
-        if still_leading is not None and not await still_leading():
-            log.warning("lost the lease during a cycle; its decisions are dropped")
-            self.metrics.dropped.inc()
-            return 0
-        renewed = time.monotonic()
-        out = [m for m, _ in placements] + [m for m, _ in requests] + explained
-        if out:
-            try:
-                await publish_all(self.broker, out)
-            except Exception:
-                # Nothing of this cycle is applied: what did reach the broker comes back
-                # through the feed like any placement; the rest is decided again.
-                self.metrics.publish_failed.inc()
-                state.dirty = True
-                raise
-            took = time.monotonic() - renewed
-            self.metrics.publish.observe(took)
-            if took > 1.0:
-                log.warning("slow publish", seconds=round(took, 3), messages=len(out), epoch=epoch)
-        # Apply what went out. The feed may have moved the state meanwhile (a cancel, a
-        # node gone): applying is idempotent and skips what no longer applies.
-        for _, placed_event in placements:
-            state.on_placed(placed_event, now)
-            self.told.pop(JobId(placed_event.job_id), None)
-        for _, request in requests:
-            state.on_preemption_requested(request)
-            self.metrics.preemptions.labels(request.reason_code).inc()
-        self.told.update(told)
-        self.metrics.placed.inc(len(placements))
-        self.metrics.pending.set(len(state.pending))
-        self.metrics.running.set(len(state.running))
-        return len(placements)
-
-    def _placement(
-        self, alloc: Allocation, epoch: int
-    ) -> tuple[OutMessage, PlacementDecided] | None:
-        state = self.state
-        job_id = alloc.job.job_id
-        node = state.nodes.get(alloc.replicas[0].node_id)
-        queued = state.queued.get(job_id)
-        if node is None or queued is None:  # cannot happen between decide and here; be safe
-            log.warning("placement for a job or node no longer known; dropped", job_id=job_id)
-            return None
-        event = placement_event(
-            alloc,
-            queued,
-            attempt=state.next_attempt(job_id),
-            epoch=epoch,
-            leader=self.leader,
-            accelerator_type=node.accelerator.type,
-        )
-        env = envelope_for("PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant)
-        # Executors skip other clusters' placements by this header, unparsed.
-        message = OutMessage(
-            topics.PLACEMENT_DECIDED, job_id, env, headers=(("cluster", str(alloc.cluster)),)
-        )
-        return message, event
-
-    def _preemptions(
-        self, decision: PreemptionDecision, policy: Policy, epoch: int
-    ) -> list[tuple[OutMessage, PreemptionRequested]]:
-        """Ask the preemptor to make room: one request per victim, keyed by the victim.
-
-        Claims go on the wire so the preemptor can check "never for a claim that is not
-        higher" on its own: rank from the policy; quota standing and service level follow
-        from the mechanism the core used (reclaim: borrowed vs guaranteed; LAS: more vs less
-        attained service at the same rank and standing)."""
-        state = self.state
-        requester = state.pending.get(decision.for_job)
-        if requester is None:
-            return []
-        out = []
-        for victim in decision.victims:
-            alloc = state.running.get(victim.job_id)
-            attempt = state.running_attempt.get(victim.job_id)
-            queued = state.queued.get(victim.job_id)
-            if alloc is None or attempt is None or queued is None:
-                continue
-            reclaim = victim.reason is ReasonCode.RECLAIMED_BORROWED
-            las = victim.reason is ReasonCode.PREEMPTED_ATTAINED_SERVICE
-            event = PreemptionRequested(
-                job_id=victim.job_id,
-                attempt=attempt,
-                cluster=alloc.cluster,
-                tenant=alloc.job.tenant,
-                priority_class=alloc.job.priority_class,
-                claim=WireClaim(
-                    rank=policy.rank(alloc.job.priority_class),
-                    guaranteed=not reclaim,
-                    level=1 if las else 0,
-                ),
-                for_job=requester.job_id,
-                for_tenant=requester.tenant,
-                for_priority_class=requester.priority_class,
-                for_claim=WireClaim(rank=policy.rank(requester.priority_class), guaranteed=True),
-                reason_code=str(victim.reason),
-                message=victim.message,
-                grace_s=queued.spec.checkpoint_grace_s,
-                epoch=epoch,
-                leader=self.leader,
-            )
-            env = envelope_for(
-                "PreemptionRequested", event, producer=PRODUCER, tenant=alloc.job.tenant
-            )
-            out.append((OutMessage(topics.PREEMPTION_REQUESTED, victim.job_id, env), event))
-        return out
-
-    def _backoffs(self, now: float) -> dict[JobId, PendingExplanation]:
-        """Why a requeued job backing off is not placed yet."""
-        out = {}
-        for job_id, until in self.state.backing_off(now).items():
-            at = datetime.fromtimestamp(until, UTC).strftime("%H:%M:%S")
-            out[job_id] = PendingExplanation(
-                codes=(ReasonCode.BACKING_OFF,),
-                message=f"backing off after its last run ended; may be placed from {at} UTC",
-            )
-        return out
-
-    def _explanations(
-        self, pending: Mapping[JobId, PendingExplanation], now: float
-    ) -> tuple[list[OutMessage], dict[JobId, tuple[tuple[str, ...], str, float]]]:
-        """A job's reason goes out when its codes change; a changed sentence with the same
-        codes (e.g. "behind 12 jobs" becoming "behind 11") at most every EXPLAIN_EVERY_S; and
-        at most EXPLAIN_PER_CYCLE in one cycle (see `worth_telling`). Returns the messages and
-        what each job will have been told once they are out."""
-        out = []
-        told: dict[JobId, tuple[tuple[str, ...], str, float]] = {}
-        for job_id in [j for j in self.told if j not in self.state.pending]:
-            del self.told[job_id]
-        current = {j: why for j, why in pending.items() if j in self.state.pending}
-        for job_id in worth_telling(current, self.told, now):
-            why = current[job_id]
-            codes = tuple(str(c) for c in why.codes)
-            told[job_id] = (codes, why.message, now)
-            event = PendingExplained(
-                job_id=job_id, codes=list(codes), message=why.message, pending_jobs=len(pending)
-            )
-            tenant = self.state.pending[job_id].tenant
-            env = envelope_for("PendingExplained", event, producer=PRODUCER, tenant=tenant)
-            out.append(OutMessage(topics.SCHEDULING_EXPLAINED, job_id, env))
-        return out, told

@@ -77,9 +77,8 @@ class SchedulerState:
         return wall * self.time_scale
 
     def snapshot(self, now: float) -> Snapshot:
-        """What the core may look at, at wall-clock time `now`."""
-        for job_id in [j for j, until in self.protected.items() if until <= now]:
-            del self.protected[job_id]
+        """What the core may look at, at wall-clock time `now`. Changes nothing: the leader
+        decides on it and applies only what it then publishes."""
         return Snapshot(
             clusters=self.clusters,
             nodes=self.nodes,
@@ -88,7 +87,9 @@ class SchedulerState:
                 job for job_id, job in self.pending.items() if self.held.get(job_id, 0.0) <= now
             ],
             preempting=frozenset(self.preempting),
-            protected=frozenset(j for j in self.protected if j in self.running),
+            protected=frozenset(
+                j for j, until in self.protected.items() if until > now and j in self.running
+            ),
         )
 
     def backing_off(self, now: float) -> dict[JobId, float]:
@@ -96,12 +97,15 @@ class SchedulerState:
         return {j: t for j, t in self.held.items() if t > now and j in self.pending}
 
     def wake_due(self, now: float) -> bool:
-        """Whether a backoff or a protection has run out, so a cycle could place more."""
-        ends = [t for t in self.held.values() if t <= now]
-        ends += [t for t in self.protected.values() if t <= now]
-        for job_id in [j for j, t in self.held.items() if t <= now]:
+        """Whether a backoff or a protection has run out, so a cycle could place more; forgets
+        those that have."""
+        ended = [j for j, t in self.held.items() if t <= now]
+        spared = [j for j, t in self.protected.items() if t <= now]
+        for job_id in ended:
             del self.held[job_id]
-        return bool(ends)
+        for job_id in spared:
+            del self.protected[job_id]
+        return bool(ended or spared)
 
     def on_capacity(self, event: ClusterCapacity) -> None:
         cluster, nodes = cluster_and_nodes(event)

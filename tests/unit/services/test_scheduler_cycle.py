@@ -1,18 +1,35 @@
-"""The leader decides, publishes, then applies: a publish that fails leaves no phantom
-placement (no job left `running` in memory, no accelerators that look used), and the state
-moving between deciding and applying (a cancel, a capacity change) raises nothing."""
+"""The leader decides, publishes, then applies: deciding changes nothing in the state; a
+publish that fails in whole or in part leaves no phantom placement (no job left `running` in
+memory, no accelerators that look used) for what did not reach the broker, and applies what
+did; and the state moving between deciding and applying (a cancel, a capacity change, a
+refusal, a run ending) raises nothing and leaves the state as the log describes it."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import json
+from dataclasses import fields
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from aiokafka.errors import KafkaTimeoutError
+from aiokafka.errors import KafkaTimeoutError, RequestTimedOutError
 from faststream.kafka import KafkaBroker
 from prometheus_client import CollectorRegistry
 
-from schemas.events import JobFinished, Outcome
-from services.scheduler.handlers import Cycle, SchedulerMetrics
+from core.model import JobId
+from schemas import topics
+from schemas.events import (
+    JobFinished,
+    JobPreempted,
+    Outcome,
+    PlacementDecided,
+    PlacementRefused,
+)
+from services.scheduler.cycle import Cycle
+from services.scheduler.errors import PublishFailed
+from services.scheduler.handlers import SchedulerMetrics
 from services.scheduler.state import SchedulerState
 from tests.unit.services.test_scheduler_preemption import (
     NOW,
@@ -28,7 +45,7 @@ from tests.unit.services.test_scheduler_state import capacity
 
 
 class BrokerAway:
-    """What publishing sees while the broker does not answer."""
+    """What publishing sees while the broker does not answer: the producer cannot send."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -36,6 +53,29 @@ class BrokerAway:
     async def publish(self, *_args: Any, **_kwargs: Any) -> Any:
         self.calls += 1
         raise KafkaTimeoutError()
+
+
+class LostAcks:
+    """A broker that takes every message but answers with an error for the jobs in `lost`
+    (a request that timed out, or a batch that expired): the producer's futures tell apart
+    what the broker has from what it may not."""
+
+    def __init__(self, lost: set[str]) -> None:
+        self.lost = lost
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    async def publish(self, body: bytes, topic: str, **_kwargs: Any) -> asyncio.Future[None]:
+        env = json.loads(body)
+        self.sent.append((topic, env["payload"]))
+        answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if env["payload"].get("job_id") in self.lost:
+            answer.set_exception(RequestTimedOutError())
+        else:
+            answer.set_result(None)
+        return answer
+
+    def placed(self) -> list[str]:
+        return [p["job_id"] for t, p in self.sent if t == topics.PLACEMENT_DECIDED]
 
 
 def cycle_on(state: SchedulerState, broker: Any) -> tuple[Cycle, CollectorRegistry]:
@@ -47,26 +87,54 @@ def used(state: SchedulerState) -> float:
     return sum(a.job.total_accelerators for a in state.running.values())
 
 
+def fleet_with(nodes: int, *jobs: str) -> SchedulerState:
+    state = SchedulerState(time_scale=SCALE)
+    state.on_capacity(capacity(nodes))
+    for job_id in jobs:
+        state.on_queued(queued(job_id))
+    return state
+
+
+def as_read_back(state: SchedulerState, published: dict[str, Any]) -> None:
+    """The feed reading one of our placements back."""
+    state.on_placed(PlacementDecided.model_validate(published), NOW)
+
+
+async def test_deciding_changes_nothing_in_the_state() -> None:
+    state = full_fleet(started_wall=NOW - 3600)
+    state.on_capacity(capacity(3))  # one free node
+    for job_id, priority in (("fits", "low"), ("urgent", "critical"), ("waits", "normal")):
+        state.on_queued(queued(job_id, priority))
+    state.on_queued(queued("later", not_before=datetime.fromtimestamp(NOW + 60, UTC)))
+    state.protected[JobId("low-a")] = NOW - 1  # a protection that ran out: still not pruned
+    before = copy.deepcopy(state)
+    decide, _ = cycle_on(state, BrokerAway())
+    decisions = decide.decide(epoch=1, now=NOW)
+    assert decisions.placements and decisions.explained  # it did decide something
+    for f in fields(SchedulerState):
+        assert getattr(state, f.name) == getattr(before, f.name), f.name
+
+
 async def test_a_failed_publish_leaves_no_phantom_placement(
     broker: tuple[KafkaBroker, Published],
 ) -> None:
     kafka, seen = broker
-    state = SchedulerState(time_scale=SCALE)
-    state.on_capacity(capacity(1))
-    state.on_queued(queued("j1"))
+    state = fleet_with(1, "j1")
     away = BrokerAway()
     decide, registry = cycle_on(state, away)
-    with pytest.raises(KafkaTimeoutError):
+    with pytest.raises(PublishFailed) as failed:
         await decide.run_once(epoch=1, now=NOW)
-    assert away.calls >= 1
+    assert isinstance(failed.value.__cause__, KafkaTimeoutError)
+    assert away.calls == 1  # the rest would wait out the same timeout: not sent
     assert list(state.pending) == ["j1"] and state.running == {} and used(state) == 0
-    assert state.next_attempt("j1") == 1  # nothing of the failed cycle was counted
+    assert state.next_attempt(JobId("j1")) == 1  # nothing of the failed cycle was counted
     assert state.dirty  # decided again on the next cycle
+    assert decide.told == {}  # its explanations did not go out either
     assert registry.get_sample_value("qm_scheduler_publish_failures_total") == 1
 
     decide.broker = kafka  # the broker is back
     assert await decide.run_once(epoch=1, now=NOW + 1) == 1
-    [placement] = of(seen, "placement.decided")
+    [placement] = of(seen, topics.PLACEMENT_DECIDED)
     assert (placement["job_id"], placement["attempt"]) == ("j1", 1)
     assert list(state.running) == ["j1"]
 
@@ -75,19 +143,46 @@ async def test_a_failed_publish_of_a_preemption_marks_no_victim_leaving() -> Non
     state = full_fleet(started_wall=NOW - 3600)
     state.on_queued(queued("urgent", "critical"))
     decide, _ = cycle_on(state, BrokerAway())
-    with pytest.raises(KafkaTimeoutError):
+    with pytest.raises(PublishFailed):
         await decide.run_once(epoch=1, now=NOW)
     assert state.preempting == {}
     assert set(state.running) == {"low-a", "low-b"}
 
 
+async def test_a_partly_failed_publish_applies_what_the_broker_acknowledged() -> None:
+    """j1's placement was acknowledged, j2's was not: j1 is running here as it is in the log,
+    so the next cycle does not place it a second time (which an executor would refuse as
+    already running, voiding the run it does have); j2 is placed again."""
+    state = fleet_with(2, "j1", "j2")
+    lossy = LostAcks(lost={"j2"})
+    decide, registry = cycle_on(state, lossy)
+    with pytest.raises(PublishFailed, match="1 of 2 messages"):
+        await decide.run_once(epoch=1, now=NOW)
+    assert list(state.running) == ["j1"] and list(state.pending) == ["j2"]
+    assert used(state) == 8
+    assert state.next_attempt(JobId("j2")) == 1
+    assert registry.get_sample_value("qm_scheduler_placements_total") == 1
+
+    lossy.lost.clear()
+    assert await decide.run_once(epoch=1, now=NOW + 1) == 1
+    assert lossy.placed() == ["j1", "j2", "j2"]
+    assert set(state.running) == {"j1", "j2"} and used(state) == 16
+    # j2's unacknowledged copy was the same attempt on the same epoch; had it reached the log
+    # after all, reading it back changes nothing.
+    for payload in [p for t, p in lossy.sent if t == topics.PLACEMENT_DECIDED]:
+        as_read_back(state, payload)
+    assert set(state.running) == {"j1", "j2"} and used(state) == 16
+
+
 async def test_a_cancel_applied_while_the_cycle_publishes_raises_nothing(
     broker: tuple[KafkaBroker, Published],
 ) -> None:
+    """What happens to a placement that went out for a job canceled meanwhile: the queue
+    cancelled it while waiting (job.finished without an attempt) and also ordered a stop, so
+    an executor refuses the placement (tombstone) or, if the placement is first, runs it until
+    the stop ends it (job.finished of attempt 1). Here the job holds nothing either way."""
     kafka, seen = broker
-    state = SchedulerState(time_scale=SCALE)
-    state.on_capacity(capacity(1))
-    state.on_queued(queued("j1"))
+    state = fleet_with(1, "j1")
     decide, _ = cycle_on(state, kafka)
 
     async def feed_moves_meanwhile() -> bool:
@@ -97,7 +192,101 @@ async def test_a_cancel_applied_while_the_cycle_publishes_raises_nothing(
         return True
 
     await decide.run_once(epoch=1, now=NOW, still_leading=feed_moves_meanwhile)
-    # The placement went out (the executor refuses it: the job is tombstoned there) and the
-    # canceled job holds nothing here.
-    assert [p["job_id"] for p in of(seen, "placement.decided")] == ["j1"]
-    assert "j1" not in state.running and used(state) == 0
+    [placement] = of(seen, topics.PLACEMENT_DECIDED)
+    assert placement["job_id"] == "j1"
+    assert "j1" not in state.running and "j1" not in state.pending and used(state) == 0
+    # What follows in the log changes nothing: our placement read back, then the executor's
+    # refusal of it, or its run ended by the stop order.
+    as_read_back(state, placement)
+    refusal = PlacementRefused(
+        job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="canceled", message="x"
+    )
+    state.on_refused(refusal)
+    state.on_finished(JobFinished(job_id="j1", attempt=1, outcome=Outcome.CANCELED))
+    assert state.running == {} and state.pending == {} and used(state) == 0
+    assert await decide.run_once(epoch=1, now=NOW + 1) == 0
+
+
+async def test_a_node_gone_while_the_cycle_publishes_is_left_to_the_executor(
+    broker: tuple[KafkaBroker, Published],
+) -> None:
+    """The placement went out, so it is applied as the feed would apply it, node gone or not;
+    the core counts nothing on a node it does not know, and the executor's refusal frees the
+    job, which is placed again (a new attempt) once the node is back."""
+    kafka, seen = broker
+    state = fleet_with(1, "j1")
+    decide, _ = cycle_on(state, kafka)
+
+    async def node_goes() -> bool:
+        state.on_capacity(capacity(0))
+        return True
+
+    assert await decide.run_once(epoch=1, now=NOW, still_leading=node_goes) == 1
+    assert list(state.running) == ["j1"]
+    assert await decide.run_once(epoch=1, now=NOW + 1) == 0  # the next cycle raises nothing
+    state.on_refused(
+        PlacementRefused(
+            job_id="j1",
+            attempt=1,
+            epoch=1,
+            cluster="c1",
+            reason_code="would_overcommit",
+            message="",
+        )
+    )
+    assert list(state.pending) == ["j1"] and state.running == {}
+    state.on_capacity(capacity(1))
+    assert await decide.run_once(epoch=1, now=NOW + 2) == 1
+    assert [(p["job_id"], p["attempt"]) for p in of(seen, topics.PLACEMENT_DECIDED)] == [
+        ("j1", 1),
+        ("j1", 2),
+    ]
+
+
+async def test_a_placement_refused_before_it_is_applied_stays_refused(
+    broker: tuple[KafkaBroker, Published],
+) -> None:
+    """A fast executor: the feed reads our placement and its refusal before the cycle gets to
+    apply it. Applying must not bring the refused run back."""
+    kafka, seen = broker
+    state = fleet_with(1, "j1")
+    decide, _ = cycle_on(state, kafka)
+    original = decide.publish
+
+    async def publish_then_feed(decisions: Any) -> Any:
+        outcomes = await original(decisions)
+        [placement] = of(seen, topics.PLACEMENT_DECIDED)
+        as_read_back(state, placement)
+        state.on_refused(
+            PlacementRefused(
+                job_id="j1", attempt=1, epoch=1, cluster="c1", reason_code="x", message=""
+            )
+        )
+        return outcomes
+
+    decide.publish = publish_then_feed  # type: ignore[method-assign]
+    await decide.run_once(epoch=1, now=NOW)
+    assert list(state.pending) == ["j1"] and state.running == {} and used(state) == 0
+    assert state.next_attempt(JobId("j1")) == 2  # decided again as a new attempt
+
+
+async def test_a_victim_whose_run_ended_meanwhile_is_not_marked_leaving(
+    broker: tuple[KafkaBroker, Published],
+) -> None:
+    kafka, seen = broker
+    state = full_fleet(started_wall=NOW - 3600)
+    state.on_queued(queued("urgent", "critical"))
+    decide, _ = cycle_on(state, kafka)
+
+    async def victim_ends() -> bool:
+        for victim in ("low-a", "low-b"):
+            state.on_preempted(
+                JobPreempted(
+                    job_id=victim, attempt=1, cluster="c1", reason_code="node_lost", message=""
+                )
+            )
+        return True
+
+    await decide.run_once(epoch=1, now=NOW, still_leading=victim_ends)
+    assert len(of(seen, topics.PREEMPTION_REQUESTED)) == 1  # it went out
+    assert state.preempting == {} and state.running == {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from core.model import JobId
 from core.reasons import PendingExplanation, ReasonCode
-from services.scheduler.handlers import EXPLAIN_EVERY_S, worth_telling
+from services.scheduler.cycle import EXPLAIN_EVERY_S, worth_telling
 
 FULL = (ReasonCode.INSUFFICIENT_CAPACITY,)
 BEHIND = (ReasonCode.BEHIND_HIGHER_PRIORITY,)

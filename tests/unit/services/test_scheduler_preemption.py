@@ -25,7 +25,8 @@ from schemas.events import (
     PreemptionRequested,
     ReplicaAssignment,
 )
-from services.scheduler.handlers import Cycle, SchedulerMetrics
+from services.scheduler.cycle import Cycle
+from services.scheduler.handlers import SchedulerMetrics
 from services.scheduler.state import DECLINED_PROTECTION_S, SchedulerState
 from tests.unit.services.builders import POLICY_DOC, spec
 from tests.unit.services.test_scheduler_state import capacity

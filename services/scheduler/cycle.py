@@ -1,0 +1,336 @@
+"""The leader's cycle in three steps. Decide: the core works on a snapshot, and the decisions
+are built as messages; nothing of the state changes. Publish: every message is sent and its
+acknowledgement awaited. Apply: only what the broker acknowledged enters the state, as the
+feed would apply it on reading it back. A publish that fails in whole or in part leaves no
+phantom placement (no job `running` in memory, no accelerators that look used) for what did
+not go out; those jobs are decided again."""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+import structlog
+from faststream.kafka import KafkaBroker
+
+from core.cycle import schedule
+from core.decisions import PreemptionDecision
+from core.fairshare import accrue
+from core.model import Allocation, JobId, TenantId
+from core.policy import Policy
+from core.reasons import PendingExplanation, ReasonCode
+from schemas import topics
+from schemas.events import Claim as WireClaim
+from schemas.events import PendingExplained, PlacementDecided, PreemptionRequested
+from services.common.kafka import OutMessage, envelope_for
+from services.scheduler.convert import placement_event
+from services.scheduler.emit import Outcome, publish_each
+from services.scheduler.errors import PublishFailed
+from services.scheduler.handlers import PRODUCER, SchedulerMetrics
+from services.scheduler.state import SchedulerState
+
+log = structlog.get_logger()
+EXPLAIN_EVERY_S = 10.0
+# A big backlog changes thousands of sentences per cycle; publishing them all made one cycle's
+# publish take seconds (measured under the chaos mix: ~5,000 messages, up to 2.6 s, against a
+# 3 s lease). What does not go out now goes out in a later cycle.
+EXPLAIN_PER_CYCLE = 500
+
+# What a pending job was last told: its reason codes, the sentence, and when (wall time).
+Told = tuple[tuple[str, ...], str, float]
+
+
+def worth_telling(
+    pending: Mapping[JobId, PendingExplanation],
+    told: Mapping[JobId, Told],
+    now: float,
+    limit: int = EXPLAIN_PER_CYCLE,
+) -> list[JobId]:
+    """The pending jobs whose explanation should go out now, at most `limit`: first jobs never
+    told, then jobs whose reason codes changed, then changed sentences (same codes) told
+    longest ago, once EXPLAIN_EVERY_S has passed since they were."""
+    ranked: list[tuple[int, float, JobId]] = []
+    for job_id, why in pending.items():
+        codes = tuple(str(c) for c in why.codes)
+        last = told.get(job_id)
+        if last is None:
+            ranked.append((0, 0.0, job_id))
+        elif last[0] != codes:
+            ranked.append((1, last[2], job_id))
+        elif last[1] != why.message and now - last[2] >= EXPLAIN_EVERY_S:
+            ranked.append((2, last[2], job_id))
+    if len(ranked) > limit:
+        ranked = heapq.nsmallest(limit, ranked, key=lambda r: (r[0], r[1]))
+    return [job_id for *_, job_id in ranked]
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """One cycle's decisions as messages, each with what applying it means; not yet applied."""
+
+    epoch: int
+    at: float  # wall time of the cycle
+    placements: tuple[tuple[OutMessage, PlacementDecided], ...] = ()
+    requests: tuple[tuple[OutMessage, PreemptionRequested], ...] = ()
+    explained: tuple[tuple[OutMessage, JobId, Told], ...] = ()
+
+    def messages(self) -> list[OutMessage]:
+        return (
+            [m for m, _ in self.placements]
+            + [m for m, _ in self.requests]
+            + [m for m, *_ in self.explained]
+        )
+
+
+class Cycle:
+    """Decide with the core, publish the decisions, then apply what the broker has."""
+
+    def __init__(
+        self,
+        state: SchedulerState,
+        policy: Policy,
+        broker: KafkaBroker,
+        metrics: SchedulerMetrics,
+        leader: str,
+        seed: int,
+        time_scale: float = 1.0,
+    ) -> None:
+        self.state = state
+        self.policy = policy
+        self.broker = broker
+        self.metrics = metrics
+        self.leader = leader
+        self.rng = random.Random(seed)
+        self.time_scale = time_scale
+        # What each pending job was last told, so only changes go out.
+        self.told: dict[JobId, Told] = {}
+        self.usage: dict[TenantId, float] = {}
+        self.last_accrual: float | None = None
+
+    async def run_once(
+        self,
+        epoch: int,
+        now: float | None = None,
+        still_leading: Callable[[], Awaitable[bool]] | None = None,
+    ) -> int:
+        """One cycle at wall-clock time `now` (the core decides in fleet time); returns the
+        number of placements applied. Raises PublishFailed when part of it did not go out.
+
+        `still_leading` is asked after deciding and before publishing: a long cycle can
+        outlast the lease, and a deposed leader's decisions must not go out next to its
+        successor's (executors fence old epochs only once they have seen the new one)."""
+        now = time.time() if now is None else now
+        self.state.dirty = False
+        with self.metrics.cycle.time():
+            decisions = self.decide(epoch, now)
+        if still_leading is not None and not await still_leading():
+            log.warning("lost the lease during a cycle; its decisions are dropped")
+            self.metrics.dropped.inc()
+            return 0
+        outcomes = await self.publish(decisions)
+        placed = self.apply(decisions, outcomes)
+        failed = [exc for exc in outcomes if exc is not None]
+        if failed:
+            self.metrics.publish_failed.inc()
+            self.state.dirty = True  # what did not go out is decided again
+            raise PublishFailed(len(failed), len(outcomes), failed[0]) from failed[0]
+        return placed
+
+    def decide(self, epoch: int, now: float) -> Decisions:
+        """The core's decisions on a snapshot of the state, as messages. Reads the state and
+        changes nothing in it (only the cycle's own fair-share accrual moves on); built at
+        once, with no await, so every message matches the state the core saw."""
+        state = self.state
+        self._accrue(now)
+        snapshot = replace(state.snapshot(now), usage=self.usage)
+        policy = self._policy_for(now)
+        result = schedule(snapshot, policy, state.fleet_time(now), self.rng)
+        placements = [p for alloc in result.placements if (p := self._placement(alloc, epoch))]
+        requests = [
+            r for decision in result.preemptions for r in self._preemptions(decision, policy, epoch)
+        ]
+        pending = dict(result.pending)
+        pending.update(self._backoffs(now))
+        return Decisions(
+            epoch=epoch,
+            at=now,
+            placements=tuple(placements),
+            requests=tuple(requests),
+            explained=tuple(self._explanations(pending, now)),
+        )
+
+    async def publish(self, decisions: Decisions) -> list[Outcome]:
+        """Send the decisions; the outcome of each message, in `messages()` order."""
+        out = decisions.messages()
+        if not out:
+            return []
+        started = time.monotonic()
+        outcomes = await publish_each(self.broker, out)
+        took = time.monotonic() - started
+        self.metrics.publish.observe(took)
+        if took > 1.0:
+            log.warning(
+                "slow publish", seconds=round(took, 3), messages=len(out), epoch=decisions.epoch
+            )
+        return outcomes
+
+    def apply(self, decisions: Decisions, outcomes: Sequence[Outcome]) -> int:
+        """Apply what the broker acknowledged, exactly as the feed will when it reads it back
+        (so reading it back changes nothing). The feed may have moved the state since deciding
+        (a cancel, a capacity change, a refusal): the state's handlers skip what no longer
+        applies and never raise for it. Returns the placements applied."""
+        state = self.state
+        ok = [exc is None for exc in outcomes]
+        ends = (len(decisions.placements), len(decisions.placements) + len(decisions.requests))
+        placed = 0
+        for (_, event), sent in zip(decisions.placements, ok[: ends[0]], strict=True):
+            if sent:
+                state.on_placed(event, decisions.at)
+                self.told.pop(JobId(event.job_id), None)
+                placed += 1
+        for (_, request), sent in zip(decisions.requests, ok[ends[0] : ends[1]], strict=True):
+            if sent:
+                state.on_preemption_requested(request)
+                self.metrics.preemptions.labels(request.reason_code).inc()
+        for (_, job_id, told), sent in zip(decisions.explained, ok[ends[1] :], strict=True):
+            if sent:
+                self.told[job_id] = told
+        for job_id in [j for j in self.told if j not in state.pending]:
+            del self.told[job_id]
+        self.metrics.placed.inc(placed)
+        self.metrics.pending.set(len(state.pending))
+        self.metrics.running.set(len(state.running))
+        return placed
+
+    def _policy_for(self, now: float) -> Policy:
+        """The policy with this month's budget deprioritizations applied to tenant weights."""
+        month = datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+        factors = self.state.weight_factors(month)
+        if not factors:
+            return self.policy
+        tenants = {
+            name: replace(t, weight=t.weight * factors.get(name, 1.0))
+            for name, t in self.policy.tenants.items()
+        }
+        return replace(self.policy, tenants=tenants)
+
+    def _accrue(self, now: float) -> None:
+        """Decayed past usage per tenant, in fleet (virtual) accelerator-seconds."""
+        elapsed = 0.0 if self.last_accrual is None else max(0.0, now - self.last_accrual)
+        self.last_accrual = now
+        self.usage = accrue(
+            self.usage,
+            self.state.running.values(),
+            elapsed * self.time_scale,
+            self.policy.fair_share.half_life_s,
+        )
+
+    def _placement(
+        self, alloc: Allocation, epoch: int
+    ) -> tuple[OutMessage, PlacementDecided] | None:
+        state = self.state
+        job_id = alloc.job.job_id
+        node = state.nodes.get(alloc.replicas[0].node_id)
+        queued = state.queued.get(job_id)
+        if node is None or queued is None:  # cannot happen between decide and here; be safe
+            log.warning("placement for a job or node no longer known; dropped", job_id=job_id)
+            return None
+        event = placement_event(
+            alloc,
+            queued,
+            attempt=state.next_attempt(job_id),
+            epoch=epoch,
+            leader=self.leader,
+            accelerator_type=node.accelerator.type,
+        )
+        env = envelope_for("PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant)
+        # Executors skip other clusters' placements by this header, unparsed.
+        message = OutMessage(
+            topics.PLACEMENT_DECIDED, job_id, env, headers=(("cluster", str(alloc.cluster)),)
+        )
+        return message, event
+
+    def _preemptions(
+        self, decision: PreemptionDecision, policy: Policy, epoch: int
+    ) -> list[tuple[OutMessage, PreemptionRequested]]:
+        """Ask the preemptor to make room: one request per victim, keyed by the victim.
+
+        Claims go on the wire so the preemptor can check "never for a claim that is not
+        higher" on its own: rank from the policy; quota standing and service level follow
+        from the mechanism the core used (reclaim: borrowed vs guaranteed; LAS: more vs less
+        attained service at the same rank and standing)."""
+        state = self.state
+        requester = state.pending.get(decision.for_job)
+        if requester is None:
+            return []
+        out = []
+        for victim in decision.victims:
+            alloc = state.running.get(victim.job_id)
+            attempt = state.running_attempt.get(victim.job_id)
+            queued = state.queued.get(victim.job_id)
+            if alloc is None or attempt is None or queued is None:
+                continue
+            reclaim = victim.reason is ReasonCode.RECLAIMED_BORROWED
+            las = victim.reason is ReasonCode.PREEMPTED_ATTAINED_SERVICE
+            event = PreemptionRequested(
+                job_id=victim.job_id,
+                attempt=attempt,
+                cluster=alloc.cluster,
+                tenant=alloc.job.tenant,
+                priority_class=alloc.job.priority_class,
+                claim=WireClaim(
+                    rank=policy.rank(alloc.job.priority_class),
+                    guaranteed=not reclaim,
+                    level=1 if las else 0,
+                ),
+                for_job=requester.job_id,
+                for_tenant=requester.tenant,
+                for_priority_class=requester.priority_class,
+                for_claim=WireClaim(rank=policy.rank(requester.priority_class), guaranteed=True),
+                reason_code=str(victim.reason),
+                message=victim.message,
+                grace_s=queued.spec.checkpoint_grace_s,
+                epoch=epoch,
+                leader=self.leader,
+            )
+            env = envelope_for(
+                "PreemptionRequested", event, producer=PRODUCER, tenant=alloc.job.tenant
+            )
+            out.append((OutMessage(topics.PREEMPTION_REQUESTED, victim.job_id, env), event))
+        return out
+
+    def _backoffs(self, now: float) -> dict[JobId, PendingExplanation]:
+        """Why a requeued job backing off is not placed yet."""
+        out = {}
+        for job_id, until in self.state.backing_off(now).items():
+            at = datetime.fromtimestamp(until, UTC).strftime("%H:%M:%S")
+            out[job_id] = PendingExplanation(
+                codes=(ReasonCode.BACKING_OFF,),
+                message=f"backing off after its last run ended; may be placed from {at} UTC",
+            )
+        return out
+
+    def _explanations(
+        self, pending: Mapping[JobId, PendingExplanation], now: float
+    ) -> list[tuple[OutMessage, JobId, Told]]:
+        """A job's reason goes out when its codes change; a changed sentence with the same
+        codes (e.g. "behind 12 jobs" becoming "behind 11") at most every EXPLAIN_EVERY_S; and
+        at most EXPLAIN_PER_CYCLE in one cycle (see `worth_telling`). Each message comes with
+        what its job will have been told once it is out."""
+        out = []
+        current = {j: why for j, why in pending.items() if j in self.state.pending}
+        for job_id in worth_telling(current, self.told, now):
+            why = current[job_id]
+            codes = tuple(str(c) for c in why.codes)
+            event = PendingExplained(
+                job_id=job_id, codes=list(codes), message=why.message, pending_jobs=len(pending)
+            )
+            tenant = self.state.pending[job_id].tenant
+            env = envelope_for("PendingExplained", event, producer=PRODUCER, tenant=tenant)
+            told: Told = (codes, why.message, now)
+            out.append((OutMessage(topics.SCHEDULING_EXPLAINED, job_id, env), job_id, told))
+        return out
