@@ -7,11 +7,14 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from cli.errors import GatewayError
+
+# httpx (with ssl, http.client, email, urllib.request) is a good part of `qm`'s start-up time:
+# it is imported where a request is made, so `qm --help`, `qm logs` and the like never load it.
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 STATE_DIR_NAME = ".qm"
@@ -109,6 +112,8 @@ class GatewayClient:
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,  # tests pass an httpx.MockTransport
     ) -> None:
+        import httpx
+
         headers = {"Authorization": f"Bearer {connection.token}"} if connection.token else {}
         self.base = connection.gateway
         self._http = httpx.Client(
@@ -122,6 +127,8 @@ class GatewayClient:
         self._http.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -159,6 +166,8 @@ class GatewayClient:
 
     def events(self, job_id: str) -> Iterator[dict[str, Any]]:
         """Follow a job's lifecycle events as they happen (no read timeout: they may be rare)."""
+        import httpx
+
         timeout = httpx.Timeout(10.0, read=None)
         path = f"/v1/jobs/{job_id}/events"
         try:

@@ -3,13 +3,16 @@ signal, a straggler, a whole cluster going dark, or a seeded random mode."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
 
 from cli.client import state_dir
-from cli.stack import Service, Stack
+
+# `qm --help` builds this sub-app, so the stack machinery and httpx are imported when a
+# fault is actually injected.
+if TYPE_CHECKING:
+    from cli.stack import Service
 
 fault_app = typer.Typer(
     help="Inject faults into the simulated fleet (demos and tests).", no_args_is_help=True
@@ -18,6 +21,8 @@ fault_app = typer.Typer(
 
 def _executors() -> dict[str, Service]:
     """cluster name -> its executor service, from the running stack's record."""
+    from cli.stack import Stack
+
     stack = Stack.load(state_dir())
     if stack is None:
         raise typer.BadParameter("no stack is running here (start one with `qm up`)")
@@ -38,6 +43,8 @@ def _owner(executors: dict[str, Service], node_id: str) -> Service:
 
 
 def _post(service: Service, path: str, body: dict[str, object]) -> None:
+    import httpx
+
     r = httpx.post(f"http://127.0.0.1:{service.port}{path}", json=body, timeout=5)
     if r.status_code >= 400:
         typer.echo(f"refused: {r.json().get('detail', r.text)}", err=True)

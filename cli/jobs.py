@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from rich.console import Console
 from rich.text import Text
 
@@ -66,6 +65,8 @@ def job_body(document: Any, source: str = "job file") -> dict[str, Any]:
 
 def load_job_file(path: Path) -> list[dict[str, Any]]:
     """Every job in a YAML file (several may be separated by ``---``)."""
+    import yaml  # here rather than at the top: only `qm submit` reads YAML
+
     try:
         documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     except (OSError, yaml.YAMLError) as exc:

@@ -1,4 +1,9 @@
-"""The `qm` command: the dev stack (up, down, ps, logs) and the job commands, wired together."""
+"""The `qm` command: the dev stack (up, down, ps, logs) and the job commands, wired together.
+
+`qm` should start quickly, and most commands only talk to the gateway: the dev stack's machinery
+(cli.stack and what it imports), httpx and the simulator's modules are imported inside the
+commands that use them. tests/unit/cli/test_startup.py keeps it that way.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +13,22 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
-import httpx
 import typer
-from rich.console import Console, Group
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
 
 from cli import jobs, render
 from cli import usage as usage_command
 from cli.client import state_dir
 from cli.errors import QmError, StackError
 from cli.faults import fault_app
-from cli.probes import redact
-from cli.processes import is_alive
-from cli.stack import PROJECT_ROOT, STATE_FILE, Stack
+
+if TYPE_CHECKING:
+    import httpx
+    from rich.panel import Panel
+
+    from cli.stack import Stack
 
 app = typer.Typer(
     name="qm",
@@ -44,12 +48,16 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 def _example(path: Path) -> Path:
     """A relative path from the current directory, else from the repository root."""
+    from cli.stack import PROJECT_ROOT
+
     if path.is_absolute() or path.exists():
         return path.resolve()
     return (PROJECT_ROOT / path).resolve()
 
 
 def _load(directory: Path) -> Stack | None:
+    from cli.stack import Stack
+
     try:
         return Stack.load(directory)
     except StackError as exc:
@@ -76,6 +84,13 @@ def _raise_interrupt(_signum: int, _frame: FrameType | None) -> None:
 
 
 def _summary(stack: Stack) -> Panel:
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from cli.probes import redact
+
     services = Table(header_style="bold", box=None)
     for column in ("service", "pid", "url", "log"):
         services.add_column(column)
@@ -112,6 +127,8 @@ def up(
     ] = False,
 ) -> None:
     """Start Kafka, PostgreSQL, Redis and every service; Ctrl-C stops everything."""
+    from cli.stack import Stack
+
     directory = state_dir()
     _clear_stale(directory)
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -168,6 +185,8 @@ def down(
     timeout: Annotated[float, typer.Option(help="Seconds before SIGKILL.")] = 10.0,
 ) -> None:
     """Stop the stack started by `qm up` (also after a crash); leave the machine's servers."""
+    from cli.stack import STATE_FILE
+
     directory = state_dir()
     stack = _load(directory)
     if stack is None:
@@ -190,6 +209,8 @@ def down(
 
 
 def _health(client: httpx.Client, url: str) -> str:
+    import httpx
+
     try:
         return "ok" if client.get(url).status_code == 200 else "unhealthy"
     except httpx.HTTPError:
@@ -199,6 +220,11 @@ def _health(client: httpx.Client, url: str) -> str:
 @app.command()
 def ps() -> None:
     """Show the stack's services and servers: pid, port, process state and health."""
+    import httpx
+
+    from cli.probes import redact
+    from cli.processes import is_alive
+
     stack = _load(state_dir())
     if stack is None:
         console.print("nothing is running (qm up starts the stack)")
@@ -288,7 +314,7 @@ jobs.register(app)
 app.command("usage")(usage_command.usage)
 app.add_typer(fault_app, name="fault")
 
-try:  # the simulator is optional: `qm` works without it
+try:  # the simulator is optional: `qm` works without it (sim.cli defers its heavy imports)
     from sim.cli import sim_app  # type: ignore[import-not-found, unused-ignore]
 except ImportError:
     pass

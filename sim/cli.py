@@ -1,24 +1,26 @@
-"""`qm sim`: replay a trace through several policies on a fleet and write figures."""
+"""`qm sim`: replay a trace through several policies on a fleet and write figures.
+
+`qm` imports this module to list and parse the command, so only what the command's signature
+needs is imported here; the simulator itself (numpy, matplotlib, the scheduling core) is
+imported when the command runs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from core.errors import CoreError
-from core.policy import Policy
-from sim.fleet import Fleet, pool_fleet, read_fleet
-from sim.report import offered_load, write_outputs
-from sim.runner import compare, vc_entitlement
-from sim.variants import VARIANTS, variant
-from sim.workload import SimJob, Window, WorkloadError, load_generic, load_philly
+if TYPE_CHECKING:
+    from sim.workload import SimJob
+
+# ",".join(sim.variants.VARIANTS), spelled out so that `qm` need not import the scheduling core
+# to show this default; tests/unit/cli/test_startup.py checks that the two agree.
+ALL_VARIANTS = "fifo,fifo-backfill,default,las"
 
 sim_app = typer.Typer(
     help="Replay a trace through several policies on the scheduling core; write figures.",
@@ -30,6 +32,8 @@ errors = Console(stderr=True)
 
 def load_jobs(trace: Path, window: str | None) -> list[SimJob]:
     """A Philly-format trace when it has a `timestamp` column, else our generic CSV."""
+    from sim.workload import Window, WorkloadError, load_generic, load_philly
+
     if not trace.exists():
         raise WorkloadError(f"trace {trace} not found")
     with trace.open() as handle:
@@ -45,7 +49,7 @@ def sim(
     policy: Annotated[Path, typer.Option(help="policy YAML")] = Path("examples/policy.yaml"),
     fleet: Annotated[Path | None, typer.Option(help="fleet YAML (else --pool)")] = None,
     pool: Annotated[str, typer.Option(help="uniform pool NODESxACCELERATORS")] = "64x8",
-    policies: Annotated[str, typer.Option(help="comma list")] = ",".join(VARIANTS),
+    policies: Annotated[str, typer.Option(help="comma list")] = ALL_VARIANTS,
     window: Annotated[str | None, typer.Option(help="YYYY-MM-DD:YYYY-MM-DD (Philly)")] = None,
     quotas: Annotated[
         Path | None, typer.Option(help="philly_vc_nodes.csv: per-tenant quotas scaled to fleet")
@@ -55,6 +59,16 @@ def sim(
     ] = 60.0,
     out: Annotated[Path, typer.Option(help="output directory")] = Path("sim-out"),
 ) -> None:
+    import yaml
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from core.errors import CoreError
+    from core.policy import Policy
+    from sim.fleet import Fleet, pool_fleet, read_fleet
+    from sim.report import offered_load, write_outputs
+    from sim.runner import compare, vc_entitlement
+    from sim.variants import variant
+
     try:
         base = Policy.from_dict(yaml.safe_load(policy.read_text()) or {})
         names = [p.strip() for p in policies.split(",") if p.strip()]
