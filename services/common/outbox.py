@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from faststream.kafka import KafkaBroker
 from schemas import topics
 from services.common.deadletter import dead_letter_for_message, platform_alert
 from services.common.errors import describe, refused_for_good
-from services.common.kafka import OutMessage
+from services.common.kafka import OutMessage, send
 
 log = structlog.get_logger()
 
@@ -167,16 +166,14 @@ class OutboxRelay:
         futures: list[tuple[int, Any]] = []
         for i, (topic, key, event_type, value) in enumerate(messages):
             try:
-                fut = await self._broker.publish(
-                    value, topic, key=key.encode(), headers={"type": event_type}, no_confirm=True
-                )
+                fut = await send(self._broker, value, topic, key, (("type", event_type),))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the producer refused it before sending (e.g. size)
                 outcomes[i] = exc
                 continue
             # The in-memory test broker delivers synchronously and hands back no future.
-            if inspect.isawaitable(fut):
+            if fut is not None:
                 futures.append((i, fut))
         results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
         for (i, _), result in zip(futures, results, strict=True):
