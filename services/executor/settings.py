@@ -17,7 +17,7 @@ class ExecutorSettings(ServiceSettings):
     fault_rate_per_hour: float = 0.0
     # Placements wait in the broker at most this long. Every poll is a broker round trip and
     # there is an executor per cluster, so they poll less often than the scheduling path.
-    fetch_max_wait_ms: int = 50
+    fetch_max_wait_ms: int = 100
     # A stop order for a job not running here is kept this long (wall seconds) so that a
     # placement of the canceled job still on its way is refused; pruned every
     # `tombstone_prune_every_s`.

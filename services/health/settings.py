@@ -16,4 +16,4 @@ class HealthSettings(ServiceSettings):
     min_quarantine_s: float | None = None
     clean_period_s: float | None = None
     # Heartbeats are not on any job's critical path: poll the broker less eagerly.
-    fetch_max_wait_ms: int = 50
+    fetch_max_wait_ms: int = 100

@@ -23,5 +23,5 @@ class MeterSettings(ServiceSettings):
     meter_max_ticks_per_pass: int = 20_000
     meter_max_idle_backfill: int = 10_000
     # Lifecycle events are not on any job's critical path.
-    fetch_max_wait_ms: int = 40
+    fetch_max_wait_ms: int = 100
     max_batch_records: int = 2000

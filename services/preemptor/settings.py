@@ -23,4 +23,4 @@ class PreemptorSettings(ServiceSettings):
     # after this long (wall seconds); never sooner than the budget window needs them.
     audit_retention_s: float = 30 * 86400
     # Placements and lifecycle events are the bulk of what is read; requests are rare.
-    fetch_max_wait_ms: int = 20
+    fetch_max_wait_ms: int = 100

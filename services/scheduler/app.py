@@ -39,7 +39,13 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         if state.dirty:
             leadership.wake.set()
 
-    feed = Feed(settings.kafka_bootstrap, FEED_TOPICS, settings.fetch_max_wait_ms, on_records)
+    feed = Feed(
+        settings.kafka_bootstrap,
+        FEED_TOPICS,
+        settings.fetch_max_wait_ms,
+        on_records,
+        cold_fetch_max_wait_ms=settings.cold_fetch_max_wait_ms,
+    )
     cycle = Cycle(state, policy, broker, metrics, holder, settings.seed, settings.time_scale)
     leadership = Leadership(
         state=state,

@@ -54,6 +54,7 @@ class Log(Protocol):
 
     def partitions_of(self, topics: tuple[str, ...]) -> list[tuple[str, int]]: ...
     async def catch_up(self, poll_s: float = 0.01) -> None: ...
+    def set_fetch_wait(self, ms: int, cold_ms: int | None = None) -> None: ...
 
 
 class Decider(Protocol):
@@ -137,11 +138,15 @@ class Leadership:
             await lease.release()
         if not lease.held:
             self.metrics.leader.set(0)
+            self.feed.set_fetch_wait(self.settings.standby_fetch_max_wait_ms)
             acquired = await lease.try_acquire(floor=state.newest_epoch())
             self._redis_answers()
             if not acquired:
                 await asyncio.sleep(self.renew_every)
                 return
+            self.feed.set_fetch_wait(
+                self.settings.fetch_max_wait_ms, self.settings.cold_fetch_max_wait_ms
+            )
             if not await self._take_over():
                 return
         elif self._renewal_due() and not await self.still_leading():

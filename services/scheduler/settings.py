@@ -10,6 +10,14 @@ class SchedulerSettings(ServiceSettings):
     cycle_interval_s: float = 0.1
     # A cycle runs at least this often even when nothing changed (time-based policy).
     idle_cycle_s: float = 5.0
+    # A standby only follows the log to be ready to take over: it polls the broker this
+    # slowly (the leader polls at fetch_max_wait_ms). Two replicas polling ~45 partitions
+    # every 10 ms were most of an idle broker's CPU; a take-over reads to the end at the fast
+    # rate, so this adds at most this much to a failover.
+    standby_fetch_max_wait_ms: int = 250
+    # The leader polls new work (job.queued) at fetch_max_wait_ms and the rest of its topics
+    # (capacity, run ends, refusals, preemptions, health, budgets) at this rate.
+    cold_fetch_max_wait_ms: int = 100
     lease_name: str = "qm:scheduler:leader"
     lease_ttl_ms: int = 3000
     seed: int = 0

@@ -111,9 +111,9 @@ async def test_the_feed_goes_on_after_a_batch_with_bad_records() -> None:
     state = SchedulerState()
     metrics = SchedulerMetrics(CollectorRegistry())
     feed = Feed("unused:9092", FEED_TOPICS, 10, lambda rs: apply_records(state, rs, metrics))
-    feed._consumer = FakeConsumer(
-        [bad_batch(), [wire(topics.JOB_QUEUED, "JobQueued", queued("j4"))]]
-    )
+    feed._consumers = [
+        FakeConsumer([bad_batch(), [wire(topics.JOB_QUEUED, "JobQueued", queued("j4"))]])
+    ]
     feed.caught_up.set()
     task = asyncio.create_task(feed.run())
     try:

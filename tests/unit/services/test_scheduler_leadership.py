@@ -76,12 +76,16 @@ class FakeFeed:
         self.caught_up.set()
         self.records = 0
         self.journal = journal
+        self.waits: list[int] = []  # fetch waits asked for, in order
 
     def partitions_of(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
         return [(topics.PLACEMENT_DECIDED, 0)]
 
     async def catch_up(self, poll_s: float = 0.01) -> None:
         self.journal.append("read back")
+
+    def set_fetch_wait(self, ms: int, cold_ms: int | None = None) -> None:
+        self.waits.append(ms)
 
 
 class FencingBroker:
@@ -310,3 +314,28 @@ async def test_redis_failing_while_a_failed_step_backs_off_means_standing_by(
             assert not task.done()
     assert len(events(logs, "leader step raised")) == 1
     assert len(events(logs, "Redis is unreachable")) == 1
+
+
+async def test_a_standby_polls_slowly_and_a_leader_fast() -> None:
+    """Following the log to be ready is all a standby does: it polls the broker at the slow
+    rate, and switches to the fast one as it takes over (before reading to the end)."""
+    rig = Rig([])
+    settings = rig.leadership.settings
+    feed = rig.leadership.feed
+    assert isinstance(feed, FakeFeed)
+    waits = feed.waits
+
+    async def refused(floor: int = 0) -> bool:
+        rig.lease._call("acquire")
+        return False
+
+    rig.lease.try_acquire = refused  # type: ignore[method-assign]
+    await rig.leadership.step()
+    assert waits == [settings.standby_fetch_max_wait_ms]
+    assert settings.standby_fetch_max_wait_ms > settings.fetch_max_wait_ms
+
+    rig.lease.try_acquire = FakeLease.try_acquire.__get__(rig.lease)  # type: ignore[method-assign]
+    async with leading(rig):
+        await rig.until(lambda: rig.cycles() >= 1)
+    assert waits[1:3] == [settings.standby_fetch_max_wait_ms, settings.fetch_max_wait_ms]
+    assert waits[-1] == settings.fetch_max_wait_ms
