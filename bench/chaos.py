@@ -270,18 +270,20 @@ async def audit(bootstrap: str, expected: dict[str, str], timeout_s: float) -> d
     dup_topics.update({"terminal": sum(1 for n in terminal.values() if n > 1)})
     preempted = [e for t, e in events if t == topics.JOB_PREEMPTED and e["payload"].get("for_job")]
     samples = forensics(ends + events, terminal, ids)
+    overcommits: dict[str, list[str]] = {}
     return {
         "samples": samples,
         "terminal_once": sum(1 for j in ids if terminal.get(j) == 1),
         "lost": sum(1 for j in ids if j not in terminal),
         "duplicate_effects": sum(dup_topics.values()),
-        "double_allocations": overcommitted_nodes(events + ends),
+        "double_allocations": overcommitted_nodes(events + ends, overcommits),
         "wrong_outcome": sum(1 for j, want in expected.items() if outcome.get(j, want) != want),
         "preemptions": len(preempted),
         "checkpoints": sum(1 for t, _ in events if t == topics.JOB_CHECKPOINT_REQUESTED),
         "retries": sum(1 for t, _ in events if t == topics.JOB_RUN_FAILED),
         "duplicates_by_topic": {t: n for t, n in dup_topics.items() if n},
         "redelivered": redelivered,
+        "overcommits": overcommits,
     }
 
 
@@ -328,8 +330,12 @@ def forensics(
 RUN_EDGES = (topics.JOB_STARTED, topics.JOB_FINISHED, topics.JOB_PREEMPTED, topics.JOB_RUN_FAILED)
 
 
-def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
-    """Nodes that ever held more than they have, from started/ended runs and placements."""
+def overcommitted_nodes(
+    events: list[tuple[str, dict[str, Any]]], detail: dict[str, list[str]] | None = None
+) -> int:
+    """Nodes that ever held more than they have, from started/ended runs and placements.
+    `detail`, when given, receives each such node's run edges up to the first excess (the
+    forensics a failed audit prints)."""
     policy = load_policy(PROJECT_ROOT / "examples" / "policy.yaml")
     _, nodes = load_fleet(
         read_yaml(PROJECT_ROOT / "examples" / "fleet.yaml"), policy.accelerator_types
@@ -360,14 +366,19 @@ def overcommitted_nodes(events: list[tuple[str, dict[str, Any]]]) -> int:
             continue
         sign = 1 if topic == topics.JOB_STARTED else -1
         for rep in replicas:
+            run = f"{p['job_id']}#{p['attempt']} {topic} by {env.get('producer')}"
             timeline.append(
-                (env["occurred_at"], sign > 0, sign * rep["accelerators"], rep["node_id"])
+                (env["occurred_at"], sign > 0, sign * rep["accelerators"], rep["node_id"], run)
             )
     use: dict[str, float] = defaultdict(float)
+    seen: dict[str, list[str]] = defaultdict(list)
     bad: set[str] = set()
-    for _at, _starts, amount, node in sorted(timeline):  # ends before starts at one instant
+    for at, _starts, amount, node, run in sorted(timeline):  # ends before starts at one instant
         use[node] += amount
+        seen[node].append(f"{at} {amount:+g} -> {use[node]:g} {run}")
         if use[node] > nodes[node].accelerators + 1e-9:  # type: ignore[index]
+            if detail is not None and node not in bad and len(detail) < 3:
+                detail[node] = seen[node][-8:]
             bad.add(node)
     return len(bad)
 

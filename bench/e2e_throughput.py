@@ -6,6 +6,11 @@ otherwise starts the whole platform as processes in a temporary directory and st
 
     python bench/e2e_throughput.py                 # defaults: 200/s for 20 s, then 8000 jobs
     python bench/e2e_throughput.py --via rest      # submit over HTTP instead of Kafka
+    python bench/e2e_throughput.py --profile DIR   # and py-spy every process during the burst
+
+When the bench starts the stack itself it also reports CPU seconds per 1,000 jobs for every
+process (each service, the broker, PostgreSQL) in both phases; with --profile, the top frames
+of each service (bench/cpu.py) are printed and written to DIR/summary.txt.
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cpu import (
+    CpuMeter,
+    Profiler,
+    is_python,
+    per_thousand,
+    pids_of,
+    print_summary,
+    summarise,
+)
 from bench.machine import describe, percentile
 from schemas import topics
 from schemas.envelope import Envelope
@@ -48,17 +62,20 @@ def job(i: int, run: str) -> dict[str, Any]:
 
 
 class Observer:
-    """Follows placement.decided and notes when each of our jobs was placed."""
+    """Follows placement.decided and job.queued and notes when each of our jobs was placed
+    and queued (the queue's hop, to tell which stage limits the rate)."""
 
     def __init__(self, bootstrap: str) -> None:
         self.bootstrap = bootstrap
         self.placed: dict[str, float] = {}
+        self.queued: dict[str, float] = {}
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._consumer = AIOKafkaConsumer(
             topics.PLACEMENT_DECIDED,
+            topics.JOB_QUEUED,
             bootstrap_servers=self.bootstrap,
             auto_offset_reset="latest",
             fetch_max_wait_ms=10,
@@ -78,7 +95,8 @@ class Observer:
                     env = json.loads(r.value)
                     if env["type"] == topics.LEADER_FENCE:
                         continue  # a new scheduler leader's fence, no placement
-                    self.placed.setdefault(env["payload"]["job_id"], now)
+                    seen = self.queued if r.topic == topics.JOB_QUEUED else self.placed
+                    seen.setdefault(env["payload"]["job_id"], now)
 
     async def stop(self) -> None:
         if self._task:
@@ -166,11 +184,28 @@ async def wait_placed(observer: Observer, sent: dict[str, float], timeout_s: flo
         await asyncio.sleep(0.1)
 
 
-def latencies_ms(observer: Observer, sent: dict[str, float]) -> list[float]:
-    return sorted((observer.placed[j] - t) * 1000 for j, t in sent.items() if j in observer.placed)
+def latencies_ms(seen: dict[str, float], sent: dict[str, float]) -> list[float]:
+    return sorted((seen[j] - t) * 1000 for j, t in sent.items() if j in seen)
 
 
-async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace) -> dict[str, Any]:
+def sustained_rate(done: list[float]) -> float:
+    """Completions per second between the 10th and 90th percentile completions, so start-up
+    and tail effects do not flatter or punish the figure."""
+    lo, hi = int(len(done) * 0.1), int(len(done) * 0.9) - 1
+    return (hi - lo) / (done[hi] - done[lo]) if hi > lo else float("nan")
+
+
+def cpu_report(phase: str, used: dict[str, float], jobs: int) -> dict[str, float]:
+    per = per_thousand(used, jobs)
+    total = round(sum(per.values()), 2)
+    parts = ", ".join(f"{n} {v:.2f}" for n, v in sorted(per.items(), key=lambda kv: -kv[1]))
+    print(f"{phase}: CPU s per 1,000 jobs: {total:.2f} in all ({parts})")
+    return {**per, "total": total}
+
+
+async def measure(
+    bootstrap: str, gateway: str | None, args: argparse.Namespace, pids: dict[str, int]
+) -> dict[str, Any]:
     observer = Observer(bootstrap)
     await observer.start()
     submitter: Any = (
@@ -183,31 +218,47 @@ async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace)
             await offer(submitter, 50, 50, "warm", warm)
             await wait_placed(observer, warm, 30)
 
+            cpu: dict[str, dict[str, float]] = {}
+            meter = CpuMeter(pids)
             fixed: dict[str, float] = {}
             count = int(args.rate * args.seconds)
+            meter.start()
             took = await offer(submitter, args.rate, count, "fixed", fixed)
             await wait_placed(observer, fixed, 60)
-            lat = latencies_ms(observer, fixed)
+            if pids:
+                cpu["fixed"] = cpu_report("fixed rate", meter.stop(), count)
+            lat = latencies_ms(observer.placed, fixed)
+            queued = latencies_ms(observer.queued, fixed)
             print(
                 f"offered {args.rate:.0f}/s for {took:.1f} s: {len(lat)}/{count} placed, "
                 f"p50 {percentile(lat, 0.5):.1f} ms, p99 {percentile(lat, 0.99):.1f} ms, "
-                f"max {lat[-1] if lat else float('nan'):.1f} ms"
+                f"max {lat[-1] if lat else float('nan'):.1f} ms; queued (the queue's hop) "
+                f"p50 {percentile(queued, 0.5):.1f} ms, p99 {percentile(queued, 0.99):.1f} ms"
             )
 
             burst: dict[str, float] = {}
-            t0 = time.perf_counter()
-            await offer(submitter, args.burst_rate, args.burst, "burst", burst)
-            await wait_placed(observer, burst, 300)
+            profiled = {n: p for n, p in pids.items() if is_python(p)} if args.profile else {}
+            meter.start()
+            with Profiler(profiled, Path(args.profile or ".")):
+                t0 = time.perf_counter()
+                await offer(submitter, args.burst_rate, args.burst, "burst", burst)
+                await wait_placed(observer, burst, 300)
+            if pids:
+                cpu["burst"] = cpu_report("overload", meter.stop(), args.burst)
+            if profiled:
+                text = print_summary(summarise(Path(args.profile)), cpu.get("burst", {}))
+                (Path(args.profile) / "summary.txt").write_text(text + "\n")
             done = sorted(observer.placed[j] for j in burst if j in observer.placed)
-            # Sustained rate: placements per second between the 10th and 90th percentile
-            # completions, so start-up and tail effects do not flatter or punish the figure.
-            lo, hi = int(len(done) * 0.1), int(len(done) * 0.9) - 1
-            sustained = (hi - lo) / (done[hi] - done[lo]) if hi > lo else float("nan")
+            sustained = sustained_rate(done)
+            queued_rate = sustained_rate(
+                sorted(observer.queued[j] for j in burst if j in observer.queued)
+            )
             overall = len(done) / (done[-1] - t0) if done else float("nan")
             print(
                 f"overload {args.burst} jobs offered at {args.burst_rate:.0f}/s: "
                 f"{len(done)} placed, sustained {sustained:.0f} jobs/s "
-                f"(overall {overall:.0f} jobs/s incl. ramp)"
+                f"(overall {overall:.0f} jobs/s incl. ramp); the queue's hop alone "
+                f"sustained {queued_rate:.0f} jobs/s"
             )
     finally:
         await observer.stop()
@@ -215,19 +266,25 @@ async def measure(bootstrap: str, gateway: str | None, args: argparse.Namespace)
         "jobs_per_s": round(sustained, 1),
         "p50_ms": round(percentile(lat, 0.5), 1),
         "p99_ms": round(percentile(lat, 0.99), 1),
+        "queued_p50_ms": round(percentile(queued, 0.5), 1),
+        "queued_p99_ms": round(percentile(queued, 0.99), 1),
         "offered_per_s": args.rate,
         "placed_fixed": len(lat),
         "submitted_fixed": count,
         "placed_burst": len(done),
         "overall_jobs_per_s": round(overall, 1),
+        "queued_per_s": round(queued_rate, 1),
+        "cpu_s_per_1000_jobs": cpu,
     }
 
 
 @contextlib.contextmanager
-def platform_urls() -> Iterator[tuple[str, str | None, str]]:
-    """(kafka, gateway, where): the running stack's, or a private stack started here."""
+def platform_urls() -> Iterator[tuple[str, str | None, str, dict[str, int]]]:
+    """(kafka, gateway, where, pids): the running stack's (pids unknown: no CPU figures), or a
+    private stack started here (pids of every service and of the broker)."""
     if os.environ.get("QM_KAFKA_BOOTSTRAP"):
-        yield os.environ["QM_KAFKA_BOOTSTRAP"], os.environ.get("QM_GATEWAY_URL"), "running stack"
+        kafka = os.environ["QM_KAFKA_BOOTSTRAP"]
+        yield kafka, os.environ.get("QM_GATEWAY_URL"), "running stack", {}
         return
     from cli import infra
     from cli.stack import Stack
@@ -244,7 +301,8 @@ def platform_urls() -> Iterator[tuple[str, str | None, str]]:
                 reset_database=True,  # stored state of another broker's log must not leak in
             )
             try:
-                yield kafka.url, stack.gateway_url, "stack started by the bench"
+                pids = pids_of(stack, kafka)
+                yield kafka.url, stack.gateway_url, "stack started by the bench", pids
             finally:
                 stack.stop()
         finally:
@@ -260,10 +318,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--burst", type=int, default=8000, help="jobs in the overload phase")
     parser.add_argument("--burst-rate", type=float, default=2000.0)
+    parser.add_argument(
+        "--profile", metavar="DIR", help="py-spy every service during the overload phase"
+    )
     args = parser.parse_args()
-    with platform_urls() as (bootstrap, gateway, where):
+    with platform_urls() as (bootstrap, gateway, where, pids):
         print(f"e2e_throughput via {args.via} against the {where} ({bootstrap})")
-        figures = asyncio.run(measure(bootstrap, gateway, args))
+        figures = asyncio.run(measure(bootstrap, gateway, args, pids))
     setup = {
         **describe(),
         "via": args.via,

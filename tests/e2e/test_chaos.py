@@ -30,7 +30,12 @@ def test_kill_9_under_load_loses_nothing_and_duplicates_nothing() -> None:
         f"\n  {job_id}:" + "".join(f"\n    {line}" for line in lines)
         for job_id, lines in figures["samples"].items()
     )
-    line = summary(figures) + f"; duplicates by topic {figures['duplicates_by_topic']}" + samples
+    line = (
+        summary(figures)
+        + f"; duplicates by topic {figures['duplicates_by_topic']}"
+        + f"; over-commits {figures['overcommits']}"
+        + samples
+    )
     print(line)
     # The plan ran whole: every fault it drew, in its order, and it covers every kind.
     assert figures["executed"] == figures["planned"], line
