@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+import structlog
 from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -31,6 +32,8 @@ from services.health.machine import NodeState
 from services.health.rules import STRAGGLER, HealthRules
 
 Clock = Callable[[], datetime]
+
+log = structlog.get_logger()
 
 
 class HealthMetrics:
@@ -105,15 +108,29 @@ class HealthMonitor:
         self.watch_from: datetime | None = None
         # Batches and the periodic check both decide over the same book: one at a time.
         self._lock = asyncio.Lock()
+        # A transaction failed: its commit may have gone through all the same (a connection
+        # lost while committing). The book then lags the store: a redelivered batch would be
+        # skipped as processed and the clock would decide its changes again, with new ids. So
+        # the book is read back from the store before anything else is decided.
+        self._stale = False
         self._count_tracks()  # what a restart reloaded
+
+    async def _reload_if_stale(self) -> None:
+        if self._stale:
+            self.book = await store.load_book(self.pool)
+            self._stale = False
+            self._count_tracks()
+            log.info("health book read back from the store after a failed transaction")
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Changes:
         async with self._lock:
+            await self._reload_if_stale()
             now = self.clock()
             if self.watch_from is None:
                 self.watch_from = now
             batch = read_batch(records, now)
             probes = {eid: seen for eid, seen in batch.probes}  # a batch may repeat a record
+            self._stale = True  # until the transaction is known to have committed
             async with self.relay.transaction() as tx:
                 fresh = await tx.claim(list(probes))
                 draft = Draft(self.book, self.rules, self.new_id)
@@ -125,6 +142,7 @@ class HealthMonitor:
                 )
                 ignored = stragglers.progress_seen(draft, batch.progress, now)
                 await self._write(tx, draft.changes, batch.dead)
+            self._stale = False
             self._committed(draft.changes)
             self.metrics.unmatched.inc(unmatched)
             self.metrics.unknown.inc(draft.unknown_signals)
@@ -136,13 +154,16 @@ class HealthMonitor:
     async def check(self) -> Changes:
         """Silence, recovery and stopped progress reports: decided on the clock."""
         async with self._lock:
+            await self._reload_if_stale()
             draft = Draft(self.book, self.rules, self.new_id)
             now = self.clock()
             check(draft, now, self.watch_from)
             stragglers.expired(draft, now, self.watch_from)
             if draft.changes:
+                self._stale = True  # until the transaction is known to have committed
                 async with self.relay.transaction() as tx:
                     await self._write(tx, draft.changes, [])
+                self._stale = False
                 self._committed(draft.changes)
             return draft.changes
 

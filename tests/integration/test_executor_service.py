@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -30,6 +29,7 @@ from services.executor.app import create_app
 from services.executor.settings import ExecutorSettings
 from services.executor.store import schema_for
 from tests.integration.conftest import running
+from tests.integration.faults import CommitInDoubt
 from tests.integration.kafka_tools import collect, every_record, produce
 
 CLUSTER = "onprem-h100"
@@ -513,27 +513,6 @@ async def test_progress_shows_the_replica_on_a_slowed_node(service_env: dict[str
         steps = {r["node_id"]: r["step_time_s"] for r in env["payload"]["replicas"]}
         assert 1.9 < steps[node(28)] < 2.1, steps
         assert 2.8 < steps[node(29)] / steps[node(28)] < 3.2, steps
-
-
-class CommitInDoubt:
-    """The executor's outbox relay, except that the first transaction's commit is answered by a
-    dropped connection: the commit went through, but the executor cannot know it (a database
-    or network cut at that moment, as in bench/outages.py)."""
-
-    def __init__(self, relay: Any) -> None:
-        self._relay = relay
-        self.dropped = asyncio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._relay, name)
-
-    @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Any]:
-        async with self._relay.transaction() as tx:
-            yield tx
-        if not self.dropped.is_set():
-            self.dropped.set()
-            raise ConnectionResetError("connection lost while committing")
 
 
 async def test_a_run_end_whose_commit_is_in_doubt_is_announced_once(

@@ -25,7 +25,8 @@ from services.health.app import create_app
 from services.health.intake import TOPICS
 from services.health.settings import HealthSettings
 from tests.integration.conftest import ROOT, running
-from tests.integration.kafka_tools import collect, produce
+from tests.integration.faults import CommitInDoubt
+from tests.integration.kafka_tools import collect, every_record, produce
 
 OUT = (topics.NODE_UNHEALTHY, topics.NODE_RECOVERED, topics.ALERT_RAISED)
 BEAT_EVERY_S = 0.25
@@ -395,3 +396,34 @@ async def test_with_quarantine_on_a_straggler_is_also_taken_out(
     [alert] = got[topics.ALERT_RAISED]
     assert alert["alert_id"] == sick["incident_id"] and alert["cause"] == "straggler"
     assert len(got[topics.NODE_UNHEALTHY]) == 1
+
+
+async def test_a_silence_whose_commit_is_in_doubt_is_announced_once(
+    service_env: dict[str, Any],
+) -> None:
+    """A node goes silent; the database answers the commit of its quarantine with a dropped
+    connection although the commit went through. Health reads its book back from the store
+    before deciding again, so the node is quarantined and alerted on once (it used to decide
+    the same silence again on the next check, with a second incident and alert)."""
+    run = uuid.uuid4().hex[:8]
+    bootstrap = service_env["kafka_bootstrap"]
+    node = f"d{run}-1"
+    app = create_app(settings(service_env))
+    async with heartbeating(bootstrap, {node}) as beating, running(app):
+        await asyncio.sleep(0.5)  # heard of, and heard
+        monitor = app.state.monitor["monitor"]
+        doubt = CommitInDoubt(
+            monitor.relay, when=lambda tx: any(m.topic == topics.NODE_UNHEALTHY for m in tx.out)
+        )
+        monitor.relay = doubt
+        beating.discard(node)  # silence from here on
+        async with asyncio.timeout(30):
+            await doubt.dropped.wait()
+        await asyncio.sleep(1.5)  # fifteen more checks
+        await doubt.publish_committed()
+        records = await every_record(bootstrap, topics.NODE_UNHEALTHY)
+        alerts = await every_record(bootstrap, topics.ALERT_RAISED)
+    sick = [e for e in records if e["payload"].get("node_id") == node]
+    raised = [e for e in alerts if e["payload"].get("subject") == node]
+    assert len(sick) == 1, sick
+    assert len(raised) == 1, raised
