@@ -31,7 +31,7 @@ import psutil
 POSTGRES = "postgres"
 
 
-def _cpu_s(proc: psutil.Process) -> float:
+def cpu_seconds(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return float(times.user + times.system)
 
@@ -65,14 +65,14 @@ class CpuMeter:
         out = {}
         for name, proc in self.processes.items():
             with contextlib.suppress(psutil.Error):
-                out[name] = _cpu_s(proc)
+                out[name] = cpu_seconds(proc)
         return out
 
     def _read_pg(self) -> dict[int, float]:
         out = {}
         for pid, proc in postgres_backends().items():
             with contextlib.suppress(psutil.Error):
-                out[pid] = _cpu_s(proc)
+                out[pid] = cpu_seconds(proc)
         return out
 
     def start(self) -> None:

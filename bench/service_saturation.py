@@ -63,7 +63,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 Partition = tuple[str, int]
 
 SERVICES = ("scheduler", "queue", "executor", "meter", "gateway", "preemptor", "health")
-TENANTS = ("vision", "nlp", "speech")
 # Topics whose volume follows the clock (per node, per running gang, per interval), not the
 # number of jobs submitted: their share of msgs_per_job depends on how long the recording ran.
 CLOCK_DRIVEN = ("node.heartbeat", "node.probe", "cluster.capacity", "job.progress")
@@ -337,53 +336,16 @@ def plan_for(name: str, run: str, cluster: str) -> Plan:
 # --- recording --------------------------------------------------------------------------------
 
 
-def job_body(i: int, run: str) -> dict[str, Any]:
-    """The e2e_throughput bench's job: small and short, so the fleet never fills."""
-    return {
-        "tenant": TENANTS[i % 3],
-        "name": f"sat-{run}-{i}",
-        "replicas": 1,
-        "resources": {"accelerators": 1},
-        "labels": {"sim_duration_s": "30"},
-    }
-
-
 async def offer(bootstrap: str, jobs: int, rate: float, run: str) -> tuple[set[str], float]:
-    """Submit `jobs` over Kafka at `rate` per second (open loop); their ids and the seconds."""
-    from aiokafka import AIOKafkaProducer
+    """Submit `jobs` of e2e_throughput's shape over Kafka at `rate` per second (open loop),
+    as that bench does; their ids and the seconds it took."""
+    from bench.e2e_throughput import KafkaSubmitter
+    from bench.e2e_throughput import offer as offer_at
 
-    from schemas import topics
-    from schemas.envelope import Envelope
-    from schemas.ids import new_id
-
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=1, max_batch_size=1 << 20)
-    await producer.start()
-    ids: set[str] = set()
-    pending: list[asyncio.Future[Any]] = []
-    start = time.perf_counter()
-    try:
-        for i in range(jobs):
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            body = job_body(i, run)
-            job_id = new_id()
-            env = Envelope(
-                type="JobSubmitted",
-                producer="bench",
-                tenant=body["tenant"],
-                payload={**body, "job_id": job_id},
-            )
-            pending.append(
-                await producer.send(
-                    topics.JOB_SUBMITTED, env.model_dump_json().encode(), key=job_id.encode()
-                )
-            )
-            ids.add(job_id)
-        await asyncio.gather(*pending)
-    finally:
-        await producer.stop()
-    return ids, time.perf_counter() - start
+    sent: dict[str, float] = {}
+    async with KafkaSubmitter(bootstrap) as submitter:
+        took = await offer_at(submitter, rate, jobs, f"sat-{run}", sent)
+    return set(sent), took
 
 
 class Progress:
@@ -561,8 +523,9 @@ def pin_elsewhere(pids: Iterable[int], core: int) -> None:
 def cpu_s(pid: int) -> float:
     import psutil
 
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+    from bench.cpu import cpu_seconds
+
+    return cpu_seconds(psutil.Process(pid))
 
 
 def tree_cpu_s(pid: int | None) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,12 @@ from services.common.settings import ServiceSettings
 MAX_PRODUCER_BATCH = 1 << 20
 
 
+# A message as the producer takes it: topic, key, value, headers, partition (None: by key).
+Wire = tuple[str, str, bytes, tuple[tuple[str, str], ...], int | None]
+# What became of one message: None once the broker has it, else the error.
+Outcome = BaseException | None
+
+
 @dataclass(frozen=True)
 class OutMessage:
     """One message to publish: the topic, the partition key and the envelope; `partition`
@@ -36,6 +42,10 @@ class OutMessage:
 
     def encode(self) -> bytes:
         return self.envelope.model_dump_json(exclude_none=True).encode()
+
+    def wire(self) -> Wire:
+        headers = (("type", self.envelope.type), *self.headers)
+        return self.topic, self.key, self.encode(), headers, self.partition
 
 
 def make_broker(
@@ -109,18 +119,44 @@ async def send(
     return fut if inspect.isawaitable(fut) else None
 
 
+async def send_each(
+    broker: KafkaBroker,
+    messages: Sequence[Wire],
+    *,
+    stop: Callable[[Exception], bool] = lambda _exc: False,
+) -> list[Outcome]:
+    """Send every message and wait for every answer; the outcome of each, in order. A message
+    the producer refuses before sending gets its error; when `stop(error)` says so, the rest
+    are not sent and get the same error (the broker is away: each would wait out the same
+    timeout)."""
+    outcomes: list[Outcome] = [None] * len(messages)
+    futures: list[tuple[int, Any]] = []
+    for i, (topic, key, value, headers, partition) in enumerate(messages):
+        try:
+            fut = await send(broker, value, topic, key, headers, partition)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            outcomes[i] = exc
+            if stop(exc):
+                outcomes[i + 1 :] = [exc] * (len(messages) - i - 1)
+                break
+            continue
+        if fut is not None:  # None: the in-memory test broker delivered it at once
+            futures.append((i, fut))
+    results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
+    for (i, _), result in zip(futures, results, strict=True):
+        if isinstance(result, BaseException):
+            outcomes[i] = result
+    return outcomes
+
+
 async def publish_all(broker: KafkaBroker, messages: Iterable[OutMessage]) -> int:
     """Send every message with its key (per-entity order) and wait until the broker has all."""
     pending: list[asyncio.Future[Any]] = []
     for msg in messages:
-        fut = await send(
-            broker,
-            msg.encode(),
-            msg.topic,
-            msg.key,
-            (("type", msg.envelope.type), *msg.headers),
-            msg.partition,
-        )
+        topic, key, value, headers, partition = msg.wire()
+        fut = await send(broker, value, topic, key, headers, partition)
         if fut is not None:
             pending.append(fut)
     if pending:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import asyncpg
 import structlog
@@ -26,7 +25,7 @@ from faststream.kafka import KafkaBroker
 from schemas import topics
 from services.common.deadletter import dead_letter_for_message, platform_alert
 from services.common.errors import describe, refused_for_good
-from services.common.kafka import OutMessage, send
+from services.common.kafka import OutMessage, send_each
 
 log = structlog.get_logger()
 
@@ -162,24 +161,10 @@ class OutboxRelay:
         self, messages: Sequence[tuple[str, str, str, bytes]]
     ) -> list[BaseException | None]:
         """The outcome of each message: None once the broker has it, else the error."""
-        outcomes: list[BaseException | None] = [None] * len(messages)
-        futures: list[tuple[int, Any]] = []
-        for i, (topic, key, event_type, value) in enumerate(messages):
-            try:
-                fut = await send(self._broker, value, topic, key, (("type", event_type),))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the producer refused it before sending (e.g. size)
-                outcomes[i] = exc
-                continue
-            # The in-memory test broker delivers synchronously and hands back no future.
-            if fut is not None:
-                futures.append((i, fut))
-        results = await asyncio.gather(*(f for _, f in futures), return_exceptions=True)
-        for (i, _), result in zip(futures, results, strict=True):
-            if isinstance(result, BaseException):
-                outcomes[i] = result
-        return outcomes
+        return await send_each(
+            self._broker,
+            [(topic, key, value, (("type", kind),), None) for topic, key, kind, value in messages],
+        )
 
     def _unpublishable(
         self, message: tuple[str, str, str, bytes], exc: BaseException

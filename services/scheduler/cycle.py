@@ -26,9 +26,9 @@ from core.reasons import PendingExplanation, ReasonCode
 from schemas import topics
 from schemas.events import Claim as WireClaim
 from schemas.events import PendingExplained, PlacementDecided, PreemptionRequested
-from services.common.kafka import OutMessage, envelope_for
+from services.common.kafka import Outcome, OutMessage, envelope_for
 from services.scheduler.convert import placement_event
-from services.scheduler.emit import Outcome, publish_each
+from services.scheduler.emit import publish_each
 from services.scheduler.errors import PublishFailed
 from services.scheduler.handlers import PRODUCER, SchedulerMetrics
 from services.scheduler.state import SchedulerState

@@ -37,8 +37,10 @@ NODE = "onprem-h100-h100-0031"
 OUT = (topics.JOB_STARTED, topics.PLACEMENT_REFUSED, topics.JOB_FINISHED)
 
 
-def placement(job_id: str, gpus: float, epoch: int, node: str = NODE) -> tuple[str, bytes]:
-    spec = JobSpec(tenant="vision", job_id=job_id, labels={"sim_duration_s": "100000"})
+def placement(
+    job_id: str, gpus: float, epoch: int, node: str = NODE, duration_s: int = 100000
+) -> tuple[str, bytes]:
+    spec = JobSpec(tenant="vision", job_id=job_id, labels={"sim_duration_s": str(duration_s)})
     p = PlacementDecided(
         job_id=job_id,
         attempt=1,
@@ -527,21 +529,9 @@ async def test_a_run_end_whose_commit_is_in_doubt_is_announced_once(
     settings = ExecutorSettings(**service_env, executor_cluster=CLUSTER, time_scale=1.0)
     app = create_app(settings)
     bootstrap = service_env["kafka_bootstrap"]
-    spec = JobSpec(tenant="vision", job_id=job_id, labels={"sim_duration_s": "6"})
-    p = PlacementDecided(
-        job_id=job_id,
-        attempt=1,
-        epoch=EPOCH,
-        leader="test",
-        cluster=CLUSTER,
-        accelerator_type="H100",
-        spec=spec,
-        replicas=[ReplicaAssignment(replica=0, node_id=NODE, accelerators=1, cpu=1, memory_gb=1)],
-    )
-    env = Envelope(type="PlacementDecided", payload=p.model_dump(mode="json"))
     async with running(app):
         executor = app.state.executor["executor"]
-        record = (job_id, env.model_dump_json().encode())
+        record = placement(job_id, 1, EPOCH, duration_s=6)
         await produce(bootstrap, topics.PLACEMENT_DECIDED, [record])
         started = await collect(
             bootstrap, (topics.JOB_STARTED,), lambda _t, e: e["payload"]["job_id"] == job_id, 1
