@@ -18,6 +18,8 @@ from typing import Any
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
+from schemas.topics import JOB_QUEUED
+
 log = structlog.get_logger()
 
 
@@ -26,7 +28,7 @@ log = structlog.get_logger()
 # `cold_fetch_max_wait_ms`: one consumer polling all ~45 partitions every 10 ms was most of an
 # idle broker's CPU (Tansu answers an empty fetch only at its deadline, so the wait is the
 # polling period).
-HOT_TOPICS = ("job.queued",)
+HOT_TOPICS = (JOB_QUEUED,)
 
 
 class Feed:
