@@ -42,6 +42,21 @@ def accrue(
     return out
 
 
+def accrue_rates(
+    usage: Mapping[TenantId, float],
+    rates: Mapping[TenantId, float],
+    elapsed_s: float,
+    half_life_s: float,
+) -> dict[TenantId, float]:
+    """`accrue` from accelerators held per tenant instead of from every allocation: the same
+    figures, in time that does not grow with the running work."""
+    out = {t: decay(v, elapsed_s, half_life_s) for t, v in usage.items()}
+    for tenant, rate in rates.items():
+        if rate:
+            out[tenant] = out.get(tenant, 0.0) + rate * max(elapsed_s, 0.0)
+    return out
+
+
 @dataclass
 class ShareBook:
     """Each tenant's current share, updated as the cycle places work."""
@@ -85,6 +100,13 @@ class ShareBook:
         mine[accelerator_type] = mine.get(accelerator_type, 0.0) + sign * job.total_accelerators
         mine[CPU] = mine.get(CPU, 0.0) + sign * job.replicas * job.cpu
         mine[MEMORY] = mine.get(MEMORY, 0.0) + sign * job.replicas * job.memory_gb
+
+    def rates(self) -> dict[TenantId, float]:
+        """Accelerators each tenant holds now (all types): what its usage grows by per second."""
+        return {
+            tenant: sum(v for k, v in mine.items() if k not in (CPU, MEMORY))
+            for tenant, mine in self.allocated.items()
+        }
 
     def share(self, tenant: TenantId) -> float:
         mine = self.allocated.get(tenant, {})

@@ -72,6 +72,35 @@ class CycleState:
             self.shares.charge(alloc.job, accelerator_type, sign=-1.0)
         return alloc
 
+    def admit(self, alloc: Allocation) -> None:
+        """Running work this state did not decide (another leader's placement, or one read back
+        from the log): charged exactly as `from_snapshot` charges what is running. Replicas on
+        nodes this state does not know take nothing, as there."""
+        cap = self.cap
+        for r in alloc.replicas:
+            node = cap.index.get(r.node_id)
+            if node is not None:
+                cap.take(node, r.accelerators, r.cpu, r.memory_gb)
+        job = alloc.job
+        first = cap.index.get(alloc.replicas[0].node_id) if alloc.replicas else None
+        if first is not None:
+            accelerator_type = cap.type_names[int(cap.type_of[first])]
+            self.types_of[job.job_id] = accelerator_type
+            if job.accelerators > 0:
+                self.quota.charge(job.tenant, accelerator_type, job.total_accelerators)
+            self.shares.charge(job, accelerator_type)
+        self.running[job.job_id] = alloc
+        self._index(alloc, add=True)
+
+    def swap(self, alloc: Allocation) -> None:
+        """Replaces a running job's allocation by an equal one (same job, same replicas), e.g.
+        the copy read back from the log of a placement this state decided: nothing is charged
+        again, so device packing stays as it was."""
+        old = self.running[alloc.job.job_id]
+        self._index(old, add=False)
+        self.running[alloc.job.job_id] = alloc
+        self._index(alloc, add=True)
+
     def start(self, alloc: Allocation) -> None:
         """A placement made by `decide` becomes running work (it is already charged)."""
         self.queues.remove(alloc.job)

@@ -19,6 +19,7 @@ from services.scheduler.handlers import FEED_TOPICS, SchedulerMetrics, apply_rec
 from services.scheduler.leadership import Backoff, Leadership
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
+from services.scheduler.working import WorkingSet
 
 NAME = "scheduler"
 
@@ -46,7 +47,8 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         on_records,
         cold_fetch_max_wait_ms=settings.cold_fetch_max_wait_ms,
     )
-    cycle = Cycle(state, policy, broker, metrics, holder, settings.seed, settings.time_scale)
+    working = WorkingSet(verify_every=settings.working_set_check_every)
+    cycle = Cycle(state, policy, broker, metrics, holder, settings.time_scale, working)
     leadership = Leadership(
         state=state,
         feed=feed,

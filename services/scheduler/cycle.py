@@ -1,5 +1,6 @@
-"""The leader's cycle in three steps. Decide: the core works on a snapshot, and the decisions
-are built as messages; nothing of the state changes. Publish: every message is sent and its
+"""The leader's cycle in three steps. Decide: the core works on its working set (kept from
+cycle to cycle, see working.py), and the decisions are built as messages; nothing of the
+scheduler's state changes. Publish: every message is sent and its
 acknowledgement awaited. Apply: only what the broker acknowledged enters the state, as the
 feed would apply it on reading it back. A publish that fails in whole or in part leaves no
 phantom placement (no job `running` in memory, no accelerators that look used) for what did
@@ -8,7 +9,6 @@ not go out; those jobs are decided again."""
 from __future__ import annotations
 
 import heapq
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -17,9 +17,9 @@ from datetime import UTC, datetime
 import structlog
 from faststream.kafka import KafkaBroker
 
-from core.cycle import schedule
+from core.cycle import decide
 from core.decisions import PreemptionDecision
-from core.fairshare import accrue
+from core.fairshare import accrue_rates
 from core.model import Allocation, JobId, TenantId
 from core.policy import Policy
 from core.reasons import PendingExplanation, ReasonCode
@@ -32,6 +32,7 @@ from services.scheduler.emit import publish_each
 from services.scheduler.errors import PublishFailed
 from services.scheduler.handlers import PRODUCER, SchedulerMetrics
 from services.scheduler.state import SchedulerState
+from services.scheduler.working import WorkingSet
 
 log = structlog.get_logger()
 EXPLAIN_EVERY_S = 10.0
@@ -96,20 +97,24 @@ class Cycle:
         broker: KafkaBroker,
         metrics: SchedulerMetrics,
         leader: str,
-        seed: int,
         time_scale: float = 1.0,
+        working: WorkingSet | None = None,
     ) -> None:
         self.state = state
+        # The core's working set, kept from cycle to cycle (see working.py).
+        self.working = working or WorkingSet()
         self.policy = policy
         self.broker = broker
         self.metrics = metrics
         self.leader = leader
-        self.rng = random.Random(seed)
         self.time_scale = time_scale
         # What each pending job was last told, so only changes go out.
         self.told: dict[JobId, Told] = {}
         self.usage: dict[TenantId, float] = {}
         self.last_accrual: float | None = None
+        # The policy with budget deprioritizations applied, per (month, factors): the same
+        # object while they hold, so the working set is rebuilt only when they change.
+        self._weighted: tuple[tuple[str, tuple[tuple[str, float], ...]], Policy] | None = None
 
     async def run_once(
         self,
@@ -145,10 +150,19 @@ class Cycle:
         changes nothing in it (only the cycle's own fair-share accrual moves on); built at
         once, with no await, so every message matches the state the core saw."""
         state = self.state
-        self._accrue(now)
-        snapshot = replace(state.snapshot(now), usage=self.usage)
         policy = self._policy_for(now)
-        result = schedule(snapshot, policy, state.fleet_time(now), self.rng)
+        working = self.working.prepare(state, policy, now)
+        self._accrue(now, working.shares.rates())
+        working.shares.set_usage(self.usage)
+        try:
+            result = decide(working, policy, state.fleet_time(now))
+        except BaseException:
+            self.working.invalidate()  # the core may have stopped half-way through a change
+            raise
+        # Placed in the working set: looked at again next cycle, whether they go out or not.
+        self.working.decided(result.placements)
+        self.metrics.working_rebuilds.set(self.working.rebuilds)
+        self.metrics.working_drifts.set(self.working.drifts)
         placements = [p for alloc in result.placements if (p := self._placement(alloc, epoch))]
         requests = [
             r for decision in result.preemptions for r in self._preemptions(decision, policy, epoch)
@@ -212,21 +226,24 @@ class Cycle:
         factors = self.state.weight_factors(month)
         if not factors:
             return self.policy
+        key = (month, tuple(sorted(factors.items())))
+        if self._weighted is not None and self._weighted[0] == key:
+            return self._weighted[1]
         tenants = {
             name: replace(t, weight=t.weight * factors.get(name, 1.0))
             for name, t in self.policy.tenants.items()
         }
-        return replace(self.policy, tenants=tenants)
+        weighted = replace(self.policy, tenants=tenants)
+        self._weighted = (key, weighted)
+        return weighted
 
-    def _accrue(self, now: float) -> None:
-        """Decayed past usage per tenant, in fleet (virtual) accelerator-seconds."""
+    def _accrue(self, now: float, rates: Mapping[TenantId, float]) -> None:
+        """Decayed past usage per tenant, in fleet (virtual) accelerator-seconds, from the
+        accelerators each tenant holds now."""
         elapsed = 0.0 if self.last_accrual is None else max(0.0, now - self.last_accrual)
         self.last_accrual = now
-        self.usage = accrue(
-            self.usage,
-            self.state.running.values(),
-            elapsed * self.time_scale,
-            self.policy.fair_share.half_life_s,
+        self.usage = accrue_rates(
+            self.usage, rates, elapsed * self.time_scale, self.policy.fair_share.half_life_s
         )
 
     def _placement(

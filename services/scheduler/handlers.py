@@ -64,6 +64,16 @@ class SchedulerMetrics:
         self.leader = Gauge(
             "qm_scheduler_is_leader", "1 while this process leads", registry=registry
         )
+        self.working_rebuilds = Gauge(
+            "qm_scheduler_working_set_rebuilds",
+            "Times the working set was rebuilt from the whole state (fleet or policy changed)",
+            registry=registry,
+        )
+        self.working_drifts = Gauge(
+            "qm_scheduler_working_set_drifts",
+            "Periodic checks that found the kept working set differing from a rebuilt one",
+            registry=registry,
+        )
         self.dropped = Counter(
             "qm_scheduler_cycles_dropped_total",
             "Cycles decided after the lease was lost, and not published",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from core.model import Allocation, Cluster, ClusterId, JobId, JobRequest, Node, NodeId, Snapshot
 from schemas.events import (
@@ -21,11 +22,57 @@ from schemas.events import (
 from schemas.usage import BudgetExceeded, Enforcement
 from services.scheduler.convert import allocation_from_event, cluster_and_nodes, job_request
 
+_V = TypeVar("_V")
+
 # Finished ids are remembered so a late `job.queued` cannot resurrect a job; bounded.
 FINISHED_MEMORY = 500_000
 # After the preemptor declines to preempt a run, it is no victim for this long (wall seconds),
 # so the next cycle does not ask for the same run again at once.
 DECLINED_PROTECTION_S = 30.0
+
+
+class Tracked(dict[JobId, _V]):
+    """A dict that notes every key written or removed in `touched`, so the working set the core
+    decides on (`services.scheduler.working`) follows what changed instead of being rebuilt.
+    Every mutating method is overridden: dict's own ones do not call each other."""
+
+    def __init__(self, touched: set[JobId]) -> None:
+        super().__init__()
+        self.touched = touched
+
+    def __setitem__(self, key: JobId, value: _V) -> None:
+        self.touched.add(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: JobId) -> None:
+        self.touched.add(key)
+        super().__delitem__(key)
+
+    def pop(self, key: JobId, *default: Any) -> Any:
+        self.touched.add(key)
+        return super().pop(key, *default)
+
+    def setdefault(self, key: JobId, default: Any = None) -> Any:
+        self.touched.add(key)
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        changes = dict(*args, **kwargs)
+        self.touched.update(changes)
+        super().update(changes)
+
+    def popitem(self) -> tuple[JobId, _V]:
+        key, value = super().popitem()
+        self.touched.add(key)
+        return key, value
+
+    def clear(self) -> None:
+        self.touched.update(self)
+        super().clear()
+
+    def __ior__(self, other: Any) -> Tracked[_V]:  # type: ignore[override,misc]
+        self.update(other)
+        return self
 
 
 @dataclass
@@ -72,6 +119,17 @@ class SchedulerState:
     time_scale: float = 1.0
     # Set when something happened that could let a pending job in; the cycle clears it.
     dirty: bool = True
+    # Jobs whose pending, running or held entry changed since the working set last looked
+    # (`pending`, `running` and `held` note them), and a count bumped whenever the fleet (nodes,
+    # their health, clusters) changes: the working set is rebuilt then.
+    touched: set[JobId] = field(default_factory=set)
+    fleet_version: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("pending", "running", "held"):
+            tracked: Tracked[Any] = Tracked(self.touched)
+            tracked.update(getattr(self, name))
+            setattr(self, name, tracked)
 
     def fleet_time(self, wall: float) -> float:
         return wall * self.time_scale
@@ -108,17 +166,21 @@ class SchedulerState:
         return bool(ended or spared)
 
     def on_capacity(self, event: ClusterCapacity) -> None:
+        """A cluster's inventory; executors re-send it now and then, so the fleet counts as
+        changed only when something in it differs."""
         cluster, nodes = cluster_and_nodes(event)
+        nodes = {
+            n: replace(node, healthy=False) if n in self.unhealthy else node
+            for n, node in nodes.items()
+        }
+        known = {n: node for n, node in self.nodes.items() if node.cluster == cluster.cluster_id}
+        if self.clusters.get(cluster.cluster_id) != cluster or known != nodes:
+            self.fleet_version += 1
         self.clusters[cluster.cluster_id] = cluster
-        for node_id in [n for n, node in self.nodes.items() if node.cluster == cluster.cluster_id]:
+        for node_id in known:
             if node_id not in nodes:
                 del self.nodes[node_id]
-        self.nodes.update(
-            {
-                n: replace(node, healthy=False) if n in self.unhealthy else node
-                for n, node in nodes.items()
-            }
-        )
+        self.nodes.update(nodes)
         self.dirty = True
 
     def on_budget(self, event: BudgetExceeded) -> None:
@@ -148,6 +210,7 @@ class SchedulerState:
         node = self.nodes.get(nid)
         if node is not None and node.healthy != healthy:
             self.nodes[nid] = replace(node, healthy=healthy)
+            self.fleet_version += 1
             self.dirty = True
 
     def on_queued(self, event: JobQueued) -> None:

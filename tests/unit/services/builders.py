@@ -9,6 +9,7 @@ from core.policy import Policy
 from schemas.envelope import Envelope
 from schemas.job import JobSpec
 from schemas.validation import Submission
+from services.scheduler.working import WorkingSet
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -43,3 +44,9 @@ def submission(**fields: Any) -> Submission:
 
 def event(event_type: str, payload: Any, at: datetime = T0) -> Envelope:
     return Envelope(type=event_type, occurred_at=at, payload=payload.model_dump(mode="json"))
+
+
+def checked() -> WorkingSet:
+    """A scheduler working set compared with a rebuilt one after every cycle's update, raising
+    on any difference: every cycle test also checks that the kept state follows the events."""
+    return WorkingSet(verify_every=1, strict=True)

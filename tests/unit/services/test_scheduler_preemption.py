@@ -28,7 +28,7 @@ from schemas.events import (
 from services.scheduler.cycle import Cycle
 from services.scheduler.handlers import SchedulerMetrics
 from services.scheduler.state import DECLINED_PROTECTION_S, SchedulerState
-from tests.unit.services.builders import POLICY_DOC, spec
+from tests.unit.services.builders import POLICY_DOC, checked, spec
 from tests.unit.services.test_scheduler_state import capacity
 
 SCALE = 600.0  # fleet seconds per wall second, as the e2e stack runs
@@ -107,7 +107,7 @@ def full_fleet(started_wall: float) -> SchedulerState:
 
 def cycle(state: SchedulerState, broker: KafkaBroker) -> Cycle:
     metrics = SchedulerMetrics(CollectorRegistry())
-    return Cycle(state, POLICY, broker, metrics, "leader-1", seed=1, time_scale=SCALE)
+    return Cycle(state, POLICY, broker, metrics, "leader-1", time_scale=SCALE, working=checked())
 
 
 def of(seen: Published, topic: str) -> list[dict[str, Any]]:

@@ -1,0 +1,381 @@
+"""The leader's kept working set follows the events exactly: after any sequence of arrivals,
+placements (acknowledged or not, ours or another leader's), refusals, ends, requeues with
+backoff, preemption requests, fleet and health changes, it equals the state a cycle would
+rebuild from scratch. Every cycle here runs a strict check (`checked()`: it raises on any
+difference), and the kept state is what the next cycle decides on."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from core.model import JobId
+from core.policy import Policy
+from schemas.events import Claim as WireClaim
+from schemas.events import (
+    ClusterCapacity,
+    JobFinished,
+    JobPreempted,
+    JobQueued,
+    NodeInfo,
+    Outcome,
+    PlacementDecided,
+    PlacementRefused,
+    PreemptionCanceled,
+    PreemptionRequested,
+    ReplicaAssignment,
+    RunFailed,
+)
+from services.scheduler.cycle import Cycle
+from services.scheduler.handlers import SchedulerMetrics
+from services.scheduler.state import SchedulerState
+from services.scheduler.working import WorkingSet, differences
+from tests.unit.services.builders import checked, spec
+
+NOW = 1_800_000_000.0
+POLICY = Policy.from_dict(
+    {
+        "priority_classes": [
+            {"name": "low", "rank": 0},
+            {"name": "normal", "rank": 10},
+            {"name": "critical", "rank": 100, "preempting": True},
+        ],
+        "tenants": {
+            "vision": {"cohort": "all", "quotas": {"H100": 16, "T4": 4}},
+            "nlp": {"cohort": "all", "quotas": {"H100": 8, "T4": 4}},
+        },
+        "preemption": {"min_runtime_s": 0},
+    }
+)
+# (size of a replica, replicas): whole devices, gangs and fractions of a shared device.
+SHAPES = [(1.0, 1), (8.0, 1), (4.0, 2), (8.0, 2), (0.25, 1), (0.5, 1), (0.3, 1), (0.7, 1)]
+
+
+def capacity(cluster: str, kind: str, count: int, devices: int) -> ClusterCapacity:
+    return ClusterCapacity(
+        cluster=cluster,
+        location="here",
+        kind="on_prem",
+        prices={kind: {"reserved": 2.0}},
+        nodes=[
+            NodeInfo(
+                node_id=f"{cluster}-n{i}",
+                block="b",
+                rack=f"r{i // 2}",
+                nvlink_domain=f"{cluster}-d{i}",
+                accelerator_type=kind,
+                generation="g",
+                accelerator_memory_gb=80,
+                relative_speed=2,
+                accelerators=devices,
+                cpu=64,
+                memory_gb=512,
+                price_tier="reserved",
+            )
+            for i in range(count)
+        ],
+    )
+
+
+def queued(
+    job_id: str, shape: int, tenant: str, priority: str, attempt: int = 0, **extra: Any
+) -> JobQueued:
+    size, replicas = SHAPES[shape]
+    job = spec(
+        job_id=job_id,
+        tenant=tenant,
+        priority_class=priority,
+        replicas=replicas,
+        resources={"accelerators": size, "cpu": 2, "memory_gb": 8},
+    )
+    return JobQueued(
+        job_id=job_id,
+        spec=job,
+        submitted_at=datetime.fromtimestamp(NOW - 100, UTC),
+        attempt=attempt,
+        **extra,
+    )
+
+
+class Acks:
+    """A broker double for `Cycle.apply`: which messages of a cycle were acknowledged."""
+
+    def __init__(self, lose: list[bool]) -> None:
+        self.lose = lose
+        self.i = 0
+
+    def outcomes(self, count: int) -> list[Exception | None]:
+        out: list[Exception | None] = []
+        for _ in range(count):
+            lost = self.lose[self.i % len(self.lose)] if self.lose else False
+            self.i += 1
+            out.append(RuntimeError("not acknowledged") if lost else None)
+        return out
+
+
+class World:
+    """Drives a SchedulerState through events and cycles the way the feed and the leader do."""
+
+    def __init__(self, lose: list[bool]) -> None:
+        self.state = SchedulerState(time_scale=1.0)
+        self.state.on_capacity(capacity("c1", "H100", 4, 8))
+        self.state.on_capacity(capacity("c2", "T4", 3, 2))
+        registry = CollectorRegistry()
+        self.working: WorkingSet = checked()
+        self.cycle = Cycle(
+            self.state,
+            POLICY,
+            broker=None,
+            metrics=SchedulerMetrics(registry),  # type: ignore[arg-type]
+            leader="l1",
+            working=self.working,
+        )
+        self.acks = Acks(lose)
+        self.now = NOW
+        self.jobs = 0
+        self.queued: dict[str, JobQueued] = {}
+
+    def run_cycle(self) -> None:
+        decisions = self.cycle.decide(epoch=1, now=self.now)
+        self.cycle.apply(decisions, self.acks.outcomes(len(decisions.messages())))
+
+    def arrive(self, shape: int, tenant: str, priority: str) -> None:
+        self.jobs += 1
+        event = queued(f"j{self.jobs}", shape, tenant, priority)
+        self.queued[event.job_id] = event
+        self.state.on_queued(event)
+
+    def running(self, pick: int) -> JobId | None:
+        ids = sorted(self.state.running)
+        return ids[pick % len(ids)] if ids else None
+
+    def finish(self, pick: int) -> None:
+        job_id = self.running(pick)
+        if job_id is not None:
+            attempt = self.state.running_attempt[job_id]
+            self.state.on_finished(
+                JobFinished(job_id=job_id, outcome=Outcome.SUCCEEDED, attempt=attempt)
+            )
+
+    def end_and_requeue(self, pick: int, failed: bool, backoff: float) -> None:
+        """A run preempted or failed, and the queue requeueing it (maybe with a backoff)."""
+        job_id = self.running(pick)
+        if job_id is None:
+            return
+        attempt = self.state.running_attempt[job_id]
+        cluster = self.state.running[job_id].cluster
+        if failed:
+            self.state.on_preempted(
+                RunFailed(
+                    job_id=job_id,
+                    attempt=attempt,
+                    cluster=cluster,
+                    reason_code="application_error",
+                    message="exit 1",
+                )
+            )
+        else:
+            self.state.on_preempted(
+                JobPreempted(
+                    job_id=job_id,
+                    attempt=attempt,
+                    cluster=cluster,
+                    reason_code="node_failed",
+                    message="gone",
+                )
+            )
+        first = self.queued[job_id]
+        later = datetime.fromtimestamp(self.now + backoff, UTC) if backoff else None
+        again = first.model_copy(
+            update={"attempt": attempt, "requeue_of_attempt": attempt, "not_before": later}
+        )
+        self.state.on_queued(again)
+
+    def refuse(self, pick: int) -> None:
+        job_id = self.running(pick)
+        if job_id is not None:
+            self.state.on_refused(
+                PlacementRefused(
+                    job_id=job_id,
+                    attempt=self.state.running_attempt[job_id],
+                    epoch=self.state.running_epoch[job_id],
+                    cluster="c1",
+                    reason_code="would_overcommit",
+                    message="no room",
+                )
+            )
+
+    def foreign_placement(self, pick: int, node: int) -> None:
+        """Another (older) leader's placement of a pending job, read from the log."""
+        ids = sorted(self.state.pending)
+        if not ids:
+            return
+        job_id = ids[pick % len(ids)]
+        job = self.state.pending[job_id]
+        nodes = sorted(self.state.nodes)
+        chosen = self.state.nodes[nodes[node % len(nodes)]]
+        event = PlacementDecided(
+            job_id=job_id,
+            attempt=self.state.next_attempt(job_id),
+            epoch=1,
+            leader="l0",
+            cluster=chosen.cluster,
+            accelerator_type=chosen.accelerator.type,
+            spec=self.queued[job_id].spec,
+            replicas=[
+                ReplicaAssignment(
+                    replica=r,
+                    node_id=chosen.node_id,
+                    accelerators=job.accelerators,
+                    cpu=job.cpu,
+                    memory_gb=job.memory_gb,
+                )
+                for r in range(job.replicas)
+            ],
+        )
+        self.state.on_placed(event, self.now)
+
+    def preemption(self, pick: int, cancel: bool) -> None:
+        job_id = self.running(pick)
+        if job_id is None:
+            return
+        attempt = self.state.running_attempt[job_id]
+        alloc = self.state.running[job_id]
+        claim = WireClaim(rank=0, guaranteed=True)
+        self.state.on_preemption_requested(
+            PreemptionRequested(
+                job_id=job_id,
+                attempt=attempt,
+                cluster=alloc.cluster,
+                tenant=alloc.job.tenant,
+                priority_class="low",
+                claim=claim,
+                for_job="x",
+                for_tenant="nlp",
+                for_priority_class="critical",
+                for_claim=claim,
+                reason_code="r",
+                message="m",
+                grace_s=0,
+                epoch=1,
+                leader="l1",
+            )
+        )
+        if cancel:
+            self.state.on_preemption_canceled(
+                PreemptionCanceled(
+                    job_id=job_id,
+                    attempt=attempt,
+                    for_job="x",
+                    reason_code="min_runtime",
+                    message="m",
+                ),
+                self.now,
+            )
+
+    def fleet_change(self, which: int) -> None:
+        if which == 0:
+            self.state.on_capacity(capacity("c2", "T4", 2, 2))  # a node leaves
+        elif which == 1:
+            self.state.on_capacity(capacity("c2", "T4", 4, 2))  # nodes join
+        else:
+            self.state.on_capacity(capacity("c1", "H100", 4, 8))  # the same inventory again
+
+    def health(self, node: int, healthy: bool) -> None:
+        nodes = sorted(self.state.nodes)
+        self.state.on_node_health(nodes[node % len(nodes)], healthy)
+
+
+STEP = st.one_of(
+    st.tuples(
+        st.just("arrive"),
+        st.integers(0, len(SHAPES) - 1),
+        st.sampled_from(["vision", "nlp"]),
+        st.sampled_from(["low", "low", "critical"]),
+    ),
+    st.tuples(st.just("cycle")),
+    st.tuples(st.just("finish"), st.integers(0, 50)),
+    st.tuples(st.just("requeue"), st.integers(0, 50), st.booleans(), st.sampled_from([0, 5])),
+    st.tuples(st.just("refuse"), st.integers(0, 50)),
+    st.tuples(st.just("foreign"), st.integers(0, 50), st.integers(0, 10)),
+    st.tuples(st.just("preempt"), st.integers(0, 50), st.booleans()),
+    st.tuples(st.just("fleet"), st.integers(0, 2)),
+    st.tuples(st.just("health"), st.integers(0, 10), st.booleans()),
+    st.tuples(st.just("wait"), st.sampled_from([1.0, 10.0])),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=5, max_size=60), lose=st.lists(st.booleans(), max_size=4))
+def test_the_kept_working_set_equals_a_rebuilt_one(
+    steps: list[tuple[Any, ...]], lose: list[bool]
+) -> None:
+    world = World(lose)
+    for step in steps:
+        kind, *args = step
+        if kind == "arrive":
+            world.arrive(*args)
+        elif kind == "cycle":
+            world.run_cycle()  # raises WorkingSetDrift on any difference
+        elif kind == "finish":
+            world.finish(*args)
+        elif kind == "requeue":
+            world.end_and_requeue(*args)
+        elif kind == "refuse":
+            world.refuse(*args)
+        elif kind == "foreign":
+            world.foreign_placement(*args)
+        elif kind == "preempt":
+            world.preemption(*args)
+        elif kind == "fleet":
+            world.fleet_change(*args)
+        elif kind == "health":
+            world.health(*args)
+        else:
+            world.now += args[0]
+    world.run_cycle()
+
+
+def test_a_cycle_rebuilds_only_when_the_fleet_changes() -> None:
+    world = World(lose=[])
+    world.working.verify_every = 0  # count real rebuilds only
+    for i in range(40):
+        world.arrive(i % len(SHAPES), "vision", "low")
+        world.run_cycle()
+        if i % 3 == 0:
+            world.finish(i)
+    assert world.working.rebuilds == 1  # the first cycle
+    world.fleet_change(2)  # the same inventory re-sent: nothing changed
+    world.run_cycle()
+    assert world.working.rebuilds == 1
+    world.fleet_change(0)
+    world.run_cycle()
+    assert world.working.rebuilds == 2
+    kept = world.working.state
+    assert kept is not None
+    from core.cycle import CycleState
+
+    fresh = CycleState.from_snapshot(world.state.snapshot(world.now), POLICY)
+    assert differences(kept, fresh) == []
+
+
+def test_differences_names_what_drifted() -> None:
+    """The check can fail: a job charged twice shows as a difference."""
+    world = World(lose=[])
+    world.working.verify_every = 0
+    world.arrive(1, "vision", "low")
+    world.run_cycle()
+    kept = world.working.state
+    assert kept is not None and kept.running
+    from core.cycle import CycleState
+
+    fresh = CycleState.from_snapshot(world.state.snapshot(world.now), POLICY)
+    assert differences(kept, fresh) == []
+    alloc = next(iter(kept.running.values()))
+    kept.cap.release(alloc.replicas)  # capacity freed while the job still runs
+    found = differences(kept, fresh)
+    assert found and found[0].startswith("free_total")
