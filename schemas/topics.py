@@ -10,6 +10,9 @@ from schemas import events, health, usage
 from schemas.job import JobSpec
 
 
+DAY_MS = 86_400_000
+
+
 @dataclass(frozen=True)
 class Topic:
     name: str
@@ -18,6 +21,11 @@ class Topic:
     event_type: str
     payload: type[BaseModel] | None
     description: str
+    # How long the broker keeps records. No reader depends on a topic's whole history: service
+    # consumers resume from committed offsets and the scheduler from its latest snapshot (taken
+    # every minute, see docs/performance.md), so a week covers any outage worth surviving.
+    # What finance or an audit reads later is kept a month; chatty telemetry a day.
+    retention_ms: int = 7 * DAY_MS
 
 
 # The control record a new scheduler leader writes to every partition of FENCED_TOPICS
@@ -181,6 +189,7 @@ TOPICS: tuple[Topic, ...] = (
         "JobProgress",
         events.JobProgress,
         "Per-replica step times of running gangs; the health service finds stragglers in it.",
+        retention_ms=1 * DAY_MS,
     ),
     Topic(
         NODE_HEARTBEAT,
@@ -189,6 +198,7 @@ TOPICS: tuple[Topic, ...] = (
         "NodeHeartbeat",
         events.NodeHeartbeat,
         "A node is alive and how much of it is allocated.",
+        retention_ms=1 * DAY_MS,
     ),
     Topic(
         NODE_PROBE,
@@ -197,6 +207,7 @@ TOPICS: tuple[Topic, ...] = (
         "NodeProbe",
         health.NodeProbe,
         "Hardware signals from a node (XID, ECC, thermal, NVLink).",
+        retention_ms=1 * DAY_MS,
     ),
     Topic(
         NODE_UNHEALTHY,
@@ -230,6 +241,7 @@ TOPICS: tuple[Topic, ...] = (
         "UsageTick",
         usage.UsageTick,
         "Metered accelerator-seconds and cost of one allocation over one interval.",
+        retention_ms=30 * DAY_MS,
     ),
     Topic(
         BUDGET_EXCEEDED,
@@ -238,6 +250,7 @@ TOPICS: tuple[Topic, ...] = (
         "BudgetExceeded",
         usage.BudgetExceeded,
         "A tenant or project crossed a budget threshold.",
+        retention_ms=30 * DAY_MS,
     ),
     Topic(
         ALERT_RAISED,
@@ -246,6 +259,7 @@ TOPICS: tuple[Topic, ...] = (
         "AlertRaised",
         health.AlertRaised,
         "Something an operator should see.",
+        retention_ms=30 * DAY_MS,
     ),
     Topic(
         SCHEDULING_EXPLAINED,
@@ -254,6 +268,7 @@ TOPICS: tuple[Topic, ...] = (
         "PendingExplained",
         events.PendingExplained,
         "Why a job is still pending, in codes and a sentence; sent when it changes.",
+        retention_ms=1 * DAY_MS,
     ),
     Topic(
         DEAD_LETTER,
@@ -262,6 +277,7 @@ TOPICS: tuple[Topic, ...] = (
         "DeadLetter",
         events.DeadLetter,
         "Messages that could not be parsed or validated, with the error.",
+        retention_ms=30 * DAY_MS,
     ),
 )
 

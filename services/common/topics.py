@@ -21,7 +21,12 @@ async def ensure_topics(bootstrap: str, timeout_s: float = 30.0) -> list[str]:
             if missing:
                 await admin.create_topics(
                     [
-                        NewTopic(t.name, num_partitions=t.partitions, replication_factor=1)
+                        NewTopic(
+                            t.name,
+                            num_partitions=t.partitions,
+                            replication_factor=1,
+                            topic_configs={"retention.ms": str(t.retention_ms)},
+                        )
                         for t in missing
                     ]
                 )
