@@ -9,7 +9,6 @@ from pydantic import BaseModel
 from schemas import events, health, usage
 from schemas.job import JobSpec
 
-
 DAY_MS = 86_400_000
 
 
@@ -23,9 +22,11 @@ class Topic:
     description: str
     # How long the broker keeps records. No reader depends on a topic's whole history: service
     # consumers resume from committed offsets and the scheduler from its latest snapshot (taken
-    # every minute, see docs/performance.md), so a week covers any outage worth surviving.
-    # What finance or an audit reads later is kept a month; chatty telemetry a day.
-    retention_ms: int = 7 * DAY_MS
+    # every minute, see docs/performance.md "Start-up"). Events are kept 30 days, as long as
+    # consumers remember processed event ids (QM_PROCESSED_RETENTION_S) so a replay from an
+    # old offset is still deduplicated; usage 90 days (finance reads the stream; the meter's
+    # ledger is the record); telemetry superseded within seconds a day; probes a week.
+    retention_ms: int = 30 * DAY_MS
 
 
 # The control record a new scheduler leader writes to every partition of FENCED_TOPICS
@@ -207,7 +208,7 @@ TOPICS: tuple[Topic, ...] = (
         "NodeProbe",
         health.NodeProbe,
         "Hardware signals from a node (XID, ECC, thermal, NVLink).",
-        retention_ms=1 * DAY_MS,
+        retention_ms=7 * DAY_MS,
     ),
     Topic(
         NODE_UNHEALTHY,
@@ -241,7 +242,7 @@ TOPICS: tuple[Topic, ...] = (
         "UsageTick",
         usage.UsageTick,
         "Metered accelerator-seconds and cost of one allocation over one interval.",
-        retention_ms=30 * DAY_MS,
+        retention_ms=90 * DAY_MS,
     ),
     Topic(
         BUDGET_EXCEEDED,
@@ -250,7 +251,6 @@ TOPICS: tuple[Topic, ...] = (
         "BudgetExceeded",
         usage.BudgetExceeded,
         "A tenant or project crossed a budget threshold.",
-        retention_ms=30 * DAY_MS,
     ),
     Topic(
         ALERT_RAISED,
@@ -259,7 +259,6 @@ TOPICS: tuple[Topic, ...] = (
         "AlertRaised",
         health.AlertRaised,
         "Something an operator should see.",
-        retention_ms=30 * DAY_MS,
     ),
     Topic(
         SCHEDULING_EXPLAINED,
@@ -268,7 +267,6 @@ TOPICS: tuple[Topic, ...] = (
         "PendingExplained",
         events.PendingExplained,
         "Why a job is still pending, in codes and a sentence; sent when it changes.",
-        retention_ms=1 * DAY_MS,
     ),
     Topic(
         DEAD_LETTER,
@@ -277,7 +275,6 @@ TOPICS: tuple[Topic, ...] = (
         "DeadLetter",
         events.DeadLetter,
         "Messages that could not be parsed or validated, with the error.",
-        retention_ms=30 * DAY_MS,
     ),
 )
 

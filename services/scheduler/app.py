@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
+import structlog
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
@@ -17,11 +19,13 @@ from services.scheduler.cycle import Cycle
 from services.scheduler.feed import Feed
 from services.scheduler.handlers import FEED_TOPICS, SchedulerMetrics, apply_records
 from services.scheduler.leadership import Backoff, Leadership
+from services.scheduler.persist import Snapshots
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
 from services.scheduler.working import WorkingSet
 
 NAME = "scheduler"
+log = structlog.get_logger()
 
 
 def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
@@ -61,11 +65,42 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         backoff=Backoff(),
     )
 
+    snapshots = Snapshots(
+        database_url=settings.database_url,
+        name=settings.lease_name,
+        bootstrap=settings.kafka_bootstrap,
+        state=state,
+        feed=feed,
+        metrics=metrics,
+        holder=holder,
+        every_s=settings.snapshot_every_s,
+        min_records=settings.snapshot_min_records,
+        leading=lambda: lease.held,
+    )
+
     @runtime.on_startup
     async def start() -> None:
+        started = time.monotonic()
         await broker.connect()
-        await feed.start()
+        resume = await snapshots.load() if settings.snapshots else None
+        await feed.start(resume)
         runtime.background(feed.run)
+
+        async def ready() -> None:
+            await feed.caught_up.wait()
+            metrics.caught_up.set(1)
+            metrics.start_seconds.set(time.monotonic() - started)
+            metrics.start_records.set(feed.records)
+            log.info(
+                "caught up",
+                seconds=round(time.monotonic() - started, 3),
+                records=feed.records,
+                resumed=resume is not None,
+            )
+
+        runtime.background(ready)
+        if settings.snapshots:
+            runtime.background(snapshots.run)
 
         async def lead() -> None:
             await leadership.run()
@@ -75,6 +110,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         async def close() -> None:
             await lease.release()
             await feed.stop()
+            await snapshots.close()
             await broker.stop()
             await redis.aclose()
 
@@ -83,4 +119,5 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
     app = create_http_app(runtime)
     app.state.runtime = runtime
     app.state.scheduler = state
+    app.state.snapshots = snapshots
     return app

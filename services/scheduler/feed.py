@@ -1,5 +1,6 @@
-"""Reading the scheduler's topics from the beginning, without a consumer group, so that every
-process (leader or standby) holds the whole state and knows when it has caught up.
+"""Reading the scheduler's topics without a consumer group, from the beginning or from where a
+snapshot left off (snapshot.py), so that every process (leader or standby) holds the whole
+state and knows when it has caught up.
 
 "Caught up" needs the true end of each partition. Tansu answers ListOffsets (end_offsets) with
 the base offset of the last record batch + 1, not the batch's end, so reading up to it can stop
@@ -17,10 +18,15 @@ from typing import Any
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import OffsetOutOfRangeError
 
 from schemas.topics import JOB_QUEUED
 
 log = structlog.get_logger()
+
+# Where the feed stands in one partition: the next offset to read, and the timestamp and size
+# of the last record applied (a snapshot's marks; `verify_marks` checks them against the log).
+Mark = tuple[int, int, int]
 
 
 # Polled at the leader's fast rate: new work. Everything else the scheduler reads (capacity,
@@ -57,10 +63,19 @@ class Feed:
         self._consumers: list[Any] = []
         self._owner: dict[TopicPartition, Any] = {}
         self._targets: dict[TopicPartition, int] = {}
+        self._marks: dict[tuple[str, int], Mark] = {}
         self.caught_up = asyncio.Event()
         self.records = 0
 
-    async def start(self) -> None:
+    def marks(self) -> dict[tuple[str, int], Mark]:
+        """Where the feed stands in every partition it has read from (a copy)."""
+        return dict(self._marks)
+
+    async def start(self, resume: dict[tuple[str, int], Mark] | None = None) -> None:
+        """Assigns every partition of the topics and reads from the beginning, or, for the
+        partitions in `resume` (a snapshot's marks), from where the snapshot left off."""
+        resume = resume or {}
+        self._marks.update(resume)
         # aiokafka binds to the running loop, so the consumers are made here, not in __init__.
         for topics, wait in zip(self._groups, self._waits, strict=True):
             consumer = AIOKafkaConsumer(
@@ -82,7 +97,13 @@ class Feed:
                         await asyncio.sleep(0.2)
                 partitions.extend(TopicPartition(topic, p) for p in sorted(ids))
             consumer.assign(partitions)
-            await consumer.seek_to_beginning(*partitions)
+            fresh = [tp for tp in partitions if (tp.topic, tp.partition) not in resume]
+            if fresh:
+                await consumer.seek_to_beginning(*fresh)
+            for tp in partitions:
+                mark = resume.get((tp.topic, tp.partition))
+                if mark is not None:
+                    consumer.seek(tp, mark[0])
             # Everything published before we started must be applied before we may decide.
             self._targets.update(await consumer.end_offsets(partitions))
             self._owner.update(dict.fromkeys(partitions, consumer))
@@ -143,8 +164,81 @@ class Feed:
     async def _run(self, consumer: Any) -> None:
         while True:
             batches = await consumer.getmany(timeout_ms=200, max_records=5000)
-            for records in batches.values():
+            for tp, records in batches.items():
                 if records:
                     self._apply(records)
                     self.records += len(records)
+                    last = records[-1]
+                    self._marks[(tp.topic, tp.partition)] = (
+                        last.offset + 1,
+                        last.timestamp,
+                        len(last.value or b""),
+                    )
             await self._check_caught_up()
+
+
+async def verify_marks(
+    bootstrap: str, marks: dict[tuple[str, int], Mark], timeout_s: float = 10.0
+) -> str | None:
+    """Whether a snapshot's marks belong to this broker's log: each partition is at least as
+    long as the mark, and the record before each mark, where the broker still has it, has the
+    timestamp and size the snapshot noted. Returns why not, or None when they match (a snapshot
+    from an earlier broker, e.g. a development stack started afresh, must not be resumed)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=100,
+        auto_offset_reset="none",  # an offset past the end raises instead of moving
+    )
+    await consumer.start()
+    wanted: dict[TopicPartition, Mark] = {}
+    seen: dict[TopicPartition, ConsumerRecord[Any, Any]] = {}
+    try:
+        tps = [TopicPartition(t, p) for (t, p), mark in marks.items()]
+        ends = await consumer.end_offsets(tps) if tps else {}
+        starts = await consumer.beginning_offsets(tps) if tps else {}
+        for tp in tps:
+            mark = marks[(tp.topic, tp.partition)]
+            # Tansu's end offset can lag the last batch's end (see above), so only an empty
+            # partition is certainly shorter; the record fetched below decides the rest.
+            if ends[tp] == 0 and mark[0] > 0:
+                return f"{tp.topic}[{tp.partition}] is empty, the snapshot read to {mark[0]}"
+            if starts[tp] > mark[0]:
+                # Retention deleted records the snapshot did not cover: nothing holds them now
+                # (a replay would miss them too), so the snapshot is still the best start.
+                log.error(
+                    "records after the snapshot are gone",
+                    topic=tp.topic,
+                    partition=tp.partition,
+                    snapshot_to=mark[0],
+                    log_starts_at=starts[tp],
+                )
+            if mark[0] > 0 and starts[tp] <= mark[0] - 1:
+                wanted[tp] = mark
+        if not wanted:
+            return None
+        consumer.assign(list(wanted))
+        for tp, mark in wanted.items():
+            consumer.seek(tp, mark[0] - 1)
+        async with asyncio.timeout(timeout_s):
+            while len(seen) < len(wanted):
+                batches = await consumer.getmany(timeout_ms=200, max_records=len(wanted) * 10)
+                for tp, records in batches.items():
+                    if records and tp not in seen:
+                        seen[tp] = records[0]
+                        consumer.pause(tp)
+        for tp, mark in wanted.items():
+            record = seen[tp]
+            found = (record.offset + 1, record.timestamp, len(record.value or b""))
+            if found != mark:
+                return (
+                    f"{tp.topic}[{tp.partition}] at {mark[0] - 1}: log has {found}, snapshot {mark}"
+                )
+        return None
+    except OffsetOutOfRangeError as exc:
+        return f"an offset before the snapshot's marks is not in the log: {exc}"
+    except TimeoutError:
+        missing = sorted(f"{tp.topic}[{tp.partition}]" for tp in wanted if tp not in seen)
+        return f"the records before the snapshot's marks did not arrive: {missing[:5]}"
+    finally:
+        await consumer.stop()

@@ -74,6 +74,40 @@ class SchedulerMetrics:
             "Periodic checks that found the kept working set differing from a rebuilt one",
             registry=registry,
         )
+        self.caught_up = Gauge(
+            "qm_scheduler_caught_up",
+            "1 once the feed has applied everything published before this process started",
+            registry=registry,
+        )
+        self.start_seconds = Gauge(
+            "qm_scheduler_start_seconds",
+            "From process start until caught up (snapshot load plus reading the rest)",
+            registry=registry,
+        )
+        self.start_records = Gauge(
+            "qm_scheduler_start_records",
+            "Records read from the topics until caught up at start",
+            registry=registry,
+        )
+        self.resumed = Gauge(
+            "qm_scheduler_resumed_from_snapshot",
+            "1 when this process started from a snapshot rather than the whole log",
+            registry=registry,
+        )
+        self.snapshots = Counter(
+            "qm_scheduler_snapshots_total",
+            "Snapshots taken: saved, superseded (the store had a newer one) or failed",
+            ["outcome"],
+            registry=registry,
+        )
+        self.snapshot_capture = Histogram(
+            "qm_scheduler_snapshot_capture_seconds",
+            "Encoding the state for a snapshot (the event loop waits for it)",
+            registry=registry,
+        )
+        self.snapshot_bytes = Gauge(
+            "qm_scheduler_snapshot_bytes", "Size of the last snapshot taken", registry=registry
+        )
         self.dropped = Counter(
             "qm_scheduler_cycles_dropped_total",
             "Cycles decided after the lease was lost, and not published",

@@ -24,3 +24,10 @@ class SchedulerSettings(ServiceSettings):
     # (a rebuild costs ~10 ms plus ~15 ms per 1,000 running allocations); a difference is
     # logged, counted (qm_scheduler_working_set_drifts) and repaired. 0 turns the check off.
     working_set_check_every: int = 600
+    # Snapshots of the state (services/scheduler/snapshot.py) in PostgreSQL: a start reads the
+    # latest and then only the records after it. Taken every snapshot_every_s once at least
+    # snapshot_min_records were read since the last; the broker's retention must comfortably
+    # exceed the interval (schemas.topics: a week).
+    snapshots: bool = True
+    snapshot_every_s: float = 60.0
+    snapshot_min_records: int = 1000

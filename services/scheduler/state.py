@@ -78,6 +78,8 @@ class Tracked(dict[JobId, _V]):
 @dataclass
 class SchedulerState:
     clusters: dict[ClusterId, Cluster] = field(default_factory=dict)
+    # Each cluster's last inventory as read (a snapshot stores the fleet as these).
+    capacity_events: dict[ClusterId, ClusterCapacity] = field(default_factory=dict)
     nodes: dict[NodeId, Node] = field(default_factory=dict)
     pending: dict[JobId, JobRequest] = field(default_factory=dict)
     running: dict[JobId, Allocation] = field(default_factory=dict)
@@ -177,6 +179,7 @@ class SchedulerState:
         if self.clusters.get(cluster.cluster_id) != cluster or known != nodes:
             self.fleet_version += 1
         self.clusters[cluster.cluster_id] = cluster
+        self.capacity_events[cluster.cluster_id] = event
         for node_id in known:
             if node_id not in nodes:
                 del self.nodes[node_id]
@@ -244,12 +247,11 @@ class SchedulerState:
         twice changes nothing."""
         job_id = JobId(event.job_id)
         self.epoch_seen = max(self.epoch_seen, event.epoch)
+        if job_id in self.finished:
+            return  # read after the job's end (topics are not ordered with each other)
         self.attempts[job_id] = max(self.attempts.get(job_id, 0), event.attempt)
-        if (
-            job_id in self.finished
-            or event.attempt <= self.closed.get(job_id, 0)
-            or (event.attempt, event.epoch) in self.refused.get(job_id, ())
-        ):
+        voided = (event.attempt, event.epoch) in self.refused.get(job_id, ())
+        if voided or event.attempt <= self.closed.get(job_id, 0):
             return
         held = self.running_attempt.get(job_id, -1)
         if held > event.attempt:

@@ -327,3 +327,13 @@ def test_fences_count_per_partition() -> None:
     assert state.newest_epoch() == 4
     state.on_placed(placed("j9", epoch=6), 1.0)  # a placement's epoch counts as well
     assert state.newest_epoch() == 6
+
+
+def test_a_placement_read_after_its_jobs_end_leaves_nothing_behind() -> None:
+    """A replay can read job.finished before the placement.decided it follows: the placement
+    must not leave an attempt count behind (a snapshot-resumed replica would not have it)."""
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    state.on_finished(JobFinished(job_id="j1", outcome=Outcome.SUCCEEDED, attempt=1))
+    state.on_placed(placed("j1"), 1.0)
+    assert state.attempts == {} and state.running == {} and state.pending == {}

@@ -315,6 +315,12 @@ def test_the_kept_working_set_equals_a_rebuilt_one(
     steps: list[tuple[Any, ...]], lose: list[bool]
 ) -> None:
     world = World(lose)
+    play(world, steps)
+    world.run_cycle()
+
+
+def play(world: World, steps: list[tuple[Any, ...]]) -> None:
+    """Applies `steps` (drawn from STEP) to `world`."""
     for step in steps:
         kind, *args = step
         if kind == "arrive":
@@ -337,7 +343,6 @@ def test_the_kept_working_set_equals_a_rebuilt_one(
             world.health(*args)
         else:
             world.now += args[0]
-    world.run_cycle()
 
 
 def test_a_cycle_rebuilds_only_when_the_fleet_changes() -> None:

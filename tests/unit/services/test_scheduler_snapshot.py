@@ -1,0 +1,66 @@
+"""A scheduler snapshot restores the state it was taken of: after any sequence of events and
+cycles (the same driver as the working-set property), `restore(capture(state))` holds what the
+state held, field by field, and a scheduler deciding on it decides the same."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from services.scheduler.snapshot import FINISHED_IN_SNAPSHOT, capture, decode, restore
+from services.scheduler.state import SchedulerState
+from tests.unit.services.test_scheduler_working_set import STEP, World, play
+
+MARKS = {("job.queued", 0): (12, 1_700_000_000_000, 321), ("job.finished", 3): (4, 17, 99)}
+# Bookkeeping of the process, not of the log: not in a snapshot.
+LOCAL = {"touched", "dirty", "fleet_version"}
+
+
+def restored(state: SchedulerState) -> SchedulerState:
+    fresh = SchedulerState(time_scale=state.time_scale)
+    marks = restore(fresh, decode(capture(state, MARKS)))
+    assert marks == MARKS
+    return fresh
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=5, max_size=60), lose=st.lists(st.booleans(), max_size=4))
+def test_a_snapshot_restores_every_field(steps: list[tuple[Any, ...]], lose: list[bool]) -> None:
+    world = World(lose)
+    play(world, steps)
+    back = restored(world.state)
+    for f in fields(SchedulerState):
+        if f.name not in LOCAL:
+            assert getattr(back, f.name) == getattr(world.state, f.name), f.name
+    # And the next decisions are the same as the original state's.
+    twin = World(lose=[])
+    twin.state = back
+    twin.cycle.state = back
+    twin.now = world.now
+    mine = world.cycle.decide(epoch=2, now=world.now + 1)
+    theirs = twin.cycle.decide(epoch=2, now=world.now + 1)
+    assert [e for _, e in mine.placements] == [e for _, e in theirs.placements]
+
+
+def test_only_the_newest_finished_ids_are_kept() -> None:
+    state = SchedulerState()
+    for i in range(FINISHED_IN_SNAPSHOT + 10):
+        state.finished[f"done-{i}"] = None  # type: ignore[index]
+    back = restored(state)
+    assert len(back.finished) == FINISHED_IN_SNAPSHOT
+    assert next(iter(back.finished)) == "done-10"
+
+
+def test_a_snapshot_of_another_format_or_scale_is_refused() -> None:
+    body = capture(SchedulerState(time_scale=600.0), MARKS)
+    with pytest.raises(ValidationError):
+        decode(body.replace(b'"format":1', b'"format":2'))
+    with pytest.raises(ValidationError):
+        decode(b"not json")
+    with pytest.raises(ValueError, match="time scale"):
+        restore(SchedulerState(time_scale=1.0), decode(body))
