@@ -41,6 +41,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
 
     def on_records(records: list[Any]) -> None:
         apply_records(state, records, metrics)
+        working.bound(state)
         if state.dirty:
             leadership.wake.set()
 

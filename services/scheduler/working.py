@@ -33,6 +33,8 @@ from core.policy import Policy
 from services.scheduler.state import SchedulerState
 
 log = structlog.get_logger()
+# Notes of changed jobs kept for a cycle to come: beyond this a rebuild is cheaper.
+MAX_TOUCHED = 100_000
 
 
 class WorkingSetDrift(AssertionError):
@@ -58,6 +60,14 @@ class WorkingSet:
     _fleet_version: int = -1
     _policy: Policy | None = None
     _cycles: int = 0
+
+    def bound(self, sched: SchedulerState, limit: int = MAX_TOUCHED) -> None:
+        """A replica that does not decide (a standby) still notes every job that changes; past
+        `limit` notes they are dropped and the next cycle rebuilds instead (called after each
+        batch the feed applies)."""
+        if len(sched.touched) > limit:
+            sched.touched.clear()
+            self.invalidate()
 
     def invalidate(self) -> None:
         """The kept state can no longer be trusted (a cycle raised inside the core)."""

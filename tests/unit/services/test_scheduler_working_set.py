@@ -384,3 +384,18 @@ def test_differences_names_what_drifted() -> None:
     kept.cap.release(alloc.replicas)  # capacity freed while the job still runs
     found = differences(kept, fresh)
     assert found and found[0].startswith("free_total")
+
+
+def test_a_standby_drops_its_notes_past_a_bound_and_rebuilds() -> None:
+    world = World(lose=[])
+    world.working.verify_every = 0
+    world.run_cycle()
+    for _ in range(30):
+        world.arrive(0, "vision", "low")  # read by a replica that does not decide
+    world.working.bound(world.state, limit=50)
+    assert len(world.state.touched) == 30 and world.working.state is not None
+    world.working.bound(world.state, limit=20)
+    assert world.state.touched == set() and world.working.state is None
+    world.working.verify_every = 1  # the rebuilt state is right: checked strictly
+    world.run_cycle()
+    assert world.working.rebuilds == 2
