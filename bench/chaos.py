@@ -442,18 +442,32 @@ def chaos(
             stack = Stack.start(
                 Path(tmp) / "state",
                 gateway_port=infra.free_port(),
-                env={"QM_KAFKA_BOOTSTRAP": kafka.url},
+                # The schedulers check their kept working set against a rebuild this often.
+                env={"QM_KAFKA_BOOTSTRAP": kafka.url, "QM_WORKING_SET_CHECK_EVERY": "25"},
                 # A fresh broker needs a fresh database: stored state would describe a
                 # log that is gone (and executors would restore runs that no longer exist).
                 reset_database=True,
                 time_scale=600.0,
             )
             try:
-                return asyncio.run(run(stack, kafka.url, args))
+                figures = asyncio.run(run(stack, kafka.url, args))
             finally:
                 stack.stop()
+            figures["working_set_drifts"] = len(drifted(Path(tmp) / "state" / "logs"))
+            return figures
         finally:
             infra.stop(kafka)
+
+
+def drifted(logs: Path) -> list[str]:
+    """Every report in the schedulers' logs of a kept working set that differed from a rebuilt
+    one (`services/scheduler/working.py`): none is expected."""
+    return [
+        f"{log.name}: {line.strip()[:300]}"
+        for log in sorted(logs.glob("scheduler*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "working set drifted" in line
+    ]
 
 
 def summary(figures: dict[str, Any]) -> str:
@@ -464,7 +478,8 @@ def summary(figures: dict[str, Any]) -> str:
         f"{figures['wrong_outcome']}; preemptions {figures['preemptions']} (checkpoints "
         f"{figures['checkpoints']}), failed runs retried or ended {figures['retries']}; "
         f"kills {figures['kills']} ({', '.join(sorted(set(figures['killed'])))}); "
-        f"leader freezes {figures['leader_freezes']}"
+        f"leader freezes {figures['leader_freezes']}; working set drifts "
+        f"{figures.get('working_set_drifts', 0)}"
     )
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.chaos import drifted
 from cli import infra
 from cli.probes import postgres_answers
 from cli.stack import Stack
@@ -149,6 +150,9 @@ def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str)
             "QM_UNHEALTHY_AFTER_S": "5",
             "QM_MIN_QUARANTINE_S": "1",
             "QM_CLEAN_PERIOD_S": "2",
+            # The schedulers compare their kept working set with a rebuilt one this often; any
+            # difference fails the session (below).
+            "QM_WORKING_SET_CHECK_EVERY": "25",
         }
         stack = Stack.start(
             workdir / "state",
@@ -160,3 +164,6 @@ def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str)
             yield stack
         finally:
             stack.stop()
+        drifts = drifted(workdir / "state" / "logs")
+        if drifts:
+            pytest.fail("a scheduler's kept working set drifted:\n" + "\n".join(drifts[:5]))

@@ -47,6 +47,7 @@ def test_kill_9_under_load_loses_nothing_and_duplicates_nothing() -> None:
     assert figures["duplicate_effects"] == 0, line
     assert figures["double_allocations"] == 0, line
     assert figures["wrong_outcome"] == 0, line
+    assert figures["working_set_drifts"] == 0, line
     # The mix is built so critical gangs find the H100 cluster full of long low-priority
     # runs; it takes a couple of minutes at 100 jobs/s to fill it (at the CI size the H100
     # cluster does not fill, and preemption under faults is left to the full-size run;
