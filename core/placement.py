@@ -304,6 +304,9 @@ def explain_miss(
     word = LEVEL_WORDS[level]
     empty = _empty_fit(cap, job, level, _spot_ok(job, prefs))
     if not empty:
+        too_large = _replica_too_large(cap, job, _spot_ok(job, prefs))
+        if too_large is not None:
+            return Miss(ReasonCode.REPLICA_TOO_LARGE, too_large)
         return Miss(
             ReasonCode.TOPOLOGY_TOO_SMALL,
             f"even an empty fleet has no {_types_word(job)} {word} that can hold "
@@ -339,6 +342,30 @@ def _empty_fit(cap: Capacity, job: JobRequest, level: TopologyLevel, spot_ok: bo
         fits = bool((totals >= job.replicas - EPS).any())
     cap.empty_fits[key] = fits
     return fits
+
+
+def _replica_too_large(cap: Capacity, job: JobRequest, spot_ok: bool) -> str | None:
+    """Why no candidate node, even idle, can hold one replica, naming what is short (devices,
+    CPU or host memory, with the most any node has); None when one replica fits somewhere."""
+    idx = cap.candidates(job.accelerator_types, job.accelerator_memory_gb, spot_ok)
+    if idx.size == 0 or bool((_empty_slots(cap, idx, job) >= 1).any()):
+        return None
+    devices = cap.devices[idx]
+    needs = [
+        ("accelerators", max(job.accelerators, 0.0), devices.astype(np.float64)),
+        ("CPU cores", job.cpu, cap.node_cpu[idx]),
+        ("GB of host memory", job.memory_gb, cap.node_memory[idx]),
+    ]
+    short = [
+        f"{need:g} {what} per replica (the largest node has {float(have.max()):g})"
+        for what, need, have in needs
+        if need > 0 and not bool((have >= need - EPS).any())
+    ]
+    kind = f"{_types_word(job)} node"
+    if short:
+        return f"no {kind} can hold one replica: it asks for " + " and ".join(short)
+    asked = ", ".join(f"{need:g} {what}" for what, need, _ in needs if need > 0)
+    return f"no {kind} has {asked} at once, as one replica asks"
 
 
 def _empty_slots(cap: Capacity, idx: IntArray, job: JobRequest) -> FloatArray:

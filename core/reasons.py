@@ -13,6 +13,8 @@ class ReasonCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     NO_MATCHING_NODES = "no_matching_nodes"
     TOPOLOGY_TOO_SMALL = "topology_too_small"
+    # No node, even idle, can hold one replica (accelerators, CPU and memory together).
+    REPLICA_TOO_LARGE = "replica_too_large"
     # Could run on this fleet, but not right now.
     INSUFFICIENT_CAPACITY = "insufficient_capacity"
     CAPACITY_RESERVED = "capacity_reserved"

@@ -150,3 +150,22 @@ def test_inference_service_spreads_replicas() -> None:
 def test_invalid_request_is_explained() -> None:
     result = run(snapshot(gpu_nodes(1), [job(1.5, job_id="odd")]))
     assert result.pending["odd"].codes == (ReasonCode.INVALID_REQUEST,)
+
+
+def test_a_replica_too_large_for_any_node_names_what_is_short() -> None:
+    """8 GPUs fit a node, 120 cores and 720 GB do not: the reason says so, not the topology."""
+    nodes = gpu_nodes(4)  # 8 GPUs, and fewer cores and less memory than asked
+    biggest_cpu = max(n.cpu for n in nodes.values())
+    biggest_mem = max(n.memory_gb for n in nodes.values())
+    big = job(8, job_id="big", cpu=biggest_cpu + 24, memory_gb=biggest_mem + 100)
+    result = run(snapshot(nodes, [big]))
+    why = result.pending["big"]
+    assert why.codes[0] is ReasonCode.REPLICA_TOO_LARGE
+    assert f"{biggest_cpu + 24:g} CPU cores per replica" in why.message
+    assert "GB of host memory" in why.message and "accelerators" not in why.message
+    # Each resource alone fits some node, but no node has all of them.
+    mixed = gpu_nodes(1, prefix="cpu", cpu=256, memory_gb=64) | gpu_nodes(
+        1, prefix="mem", cpu=8, memory_gb=4096
+    )
+    odd = job(1, job_id="odd", cpu=200, memory_gb=2000)
+    assert "at once" in run(snapshot(mixed, [odd])).pending["odd"].message
