@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from services.common.errors import Failure, classify, describe
 from services.common.logging import configure_logging
 from services.common.settings import ServiceSettings
-from services.common.singleton import Singleton, terminate
+from services.common.singleton import Singleton
 
 log = structlog.get_logger()
 
@@ -38,6 +38,8 @@ class Runtime:
     # Set for a service that must run as one instance (services.common.singleton): start-up
     # then waits for the lease, in the background, while /healthz already answers.
     singleton: Singleton | None = None
+    # A singleton whose start-up failed starts afresh after this pause.
+    start_retry_s: float = 2.0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: bool = False
 
@@ -94,9 +96,15 @@ class Runtime:
         try:
             await self._start()
         except Exception:
-            # As a start-up hook failing would end a service that is not a singleton.
-            log.exception("start-up failed; stopping")
-            terminate()
+            # A store still away when the lease came back (Redis returns before PostgreSQL,
+            # say). Start afresh as a standby after a pause, as a supervisor would, rather than
+            # end the only instance; hooks that ran half-way are not run twice in one process.
+            log.exception(
+                "start-up failed; starting afresh as a standby", pause_s=self.start_retry_s
+            )
+            await singleton.release()
+            await asyncio.sleep(self.start_retry_s)
+            singleton.on_deposed()  # replaces the process (returns only outside a service)
             return
         await singleton.hold()
 

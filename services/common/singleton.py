@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import sys
 import time
@@ -34,11 +33,6 @@ from redis.exceptions import RedisError
 from services.common.lease import RedisLease
 
 log = structlog.get_logger()
-
-
-def terminate() -> None:
-    """Stop this process in order (as a supervisor's SIGTERM would)."""
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def restart_as_standby() -> None:

@@ -116,3 +116,35 @@ async def test_a_holder_keeps_working_while_redis_is_briefly_away() -> None:
     await until(lambda: bool(deposed), timeout_s=10)  # past the TTL it steps down
     assert not a.leading
     await task
+
+
+async def test_a_start_up_that_fails_after_the_lease_starts_afresh_as_a_standby(
+    redis_url: str,
+) -> None:
+    """The lease came back before a store did (Redis before PostgreSQL): the instance neither
+    ends the service nor keeps the lease; it lets go and starts afresh (`on_deposed`)."""
+    from fastapi import FastAPI
+
+    from services.common.runtime import Runtime
+    from services.common.settings import ServiceSettings
+
+    redis = Redis.from_url(redis_url)
+    service = f"test-{uuid.uuid4().hex[:8]}"
+    other = Instance(redis, service, "other").start()
+    await until(lambda: other.singleton.leading)
+    restarted: list[bool] = []
+    singleton = Singleton(
+        redis, service, ttl_s=0.6, holder="me", on_deposed=lambda: restarted.append(True)
+    )
+    runtime = Runtime(service, ServiceSettings(), singleton=singleton)
+
+    @runtime.on_startup
+    async def store_away() -> None:
+        raise ConnectionRefusedError("PostgreSQL is still away")
+
+    async with runtime.lifespan(FastAPI()):
+        await other.stop()  # the lease is free: "me" takes it, and its start-up fails
+        await until(lambda: restarted == [True])
+        assert not singleton.leading
+        assert await singleton.lease.current_holder() is None  # let go at once
+    await redis.aclose()
