@@ -77,6 +77,8 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         every_s=settings.snapshot_every_s,
         min_records=settings.snapshot_min_records,
         leading=lambda: lease.held,
+        topics=FEED_TOPICS,
+        replay_truncated=settings.replay_truncated_log,
     )
 
     @runtime.on_startup

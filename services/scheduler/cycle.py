@@ -151,13 +151,15 @@ class Cycle:
         once, with no await, so every message matches the state the core saw."""
         state = self.state
         policy = self._policy_for(now)
-        working = self.working.prepare(state, policy, now)
-        self._accrue(now, working.shares.rates())
-        working.shares.set_usage(self.usage)
         try:
+            working = self.working.prepare(state, policy, now)
+            self._accrue(now, working.shares.rates())
+            working.shares.set_usage(self.usage)
             result = decide(working, policy, state.fleet_time(now))
         except BaseException:
-            self.working.invalidate()  # the core may have stopped half-way through a change
+            # Bringing the kept state up to date, or the core, stopped half-way through a
+            # change (the notes of what changed are gone): rebuilt from scratch next time.
+            self.working.invalidate()
             raise
         # Placed in the working set: looked at again next cycle, whether they go out or not.
         self.working.decided(result.placements)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -75,7 +76,6 @@ class Feed:
         """Assigns every partition of the topics and reads from the beginning, or, for the
         partitions in `resume` (a snapshot's marks), from where the snapshot left off."""
         resume = resume or {}
-        self._marks.update(resume)
         # aiokafka binds to the running loop, so the consumers are made here, not in __init__.
         for topics, wait in zip(self._groups, self._waits, strict=True):
             consumer = AIOKafkaConsumer(
@@ -104,6 +104,8 @@ class Feed:
                 mark = resume.get((tp.topic, tp.partition))
                 if mark is not None:
                     consumer.seek(tp, mark[0])
+                    # Only partitions read here: a snapshot's marks of others are not carried on.
+                    self._marks[(tp.topic, tp.partition)] = mark
             # Everything published before we started must be applied before we may decide.
             self._targets.update(await consumer.end_offsets(partitions))
             self._owner.update(dict.fromkeys(partitions, consumer))
@@ -177,24 +179,37 @@ class Feed:
             await self._check_caught_up()
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a snapshot's marks belong to this log: `matches` True or False, or None when
+    it could not be told (the broker slow or away: try again, do not set the snapshot aside)."""
+
+    matches: bool | None
+    why: str = ""
+
+
 async def verify_marks(
     bootstrap: str, marks: dict[tuple[str, int], Mark], timeout_s: float = 10.0
-) -> str | None:
-    """Whether a snapshot's marks belong to this broker's log: each partition is at least as
-    long as the mark, and the record before each mark, where the broker still has it, has the
-    timestamp and size the snapshot noted. Returns why not, or None when they match (a snapshot
-    from an earlier broker, e.g. a development stack started afresh, must not be resumed)."""
+) -> Verdict:
+    """Whether a snapshot's marks belong to this broker's log: every partition exists and is at
+    least as long as its mark, and the record before each mark, where the broker still has it,
+    has the timestamp and size the snapshot noted (a snapshot of another broker, e.g. a
+    development stack started afresh, must not be resumed)."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
         fetch_max_wait_ms=100,
         auto_offset_reset="none",  # an offset past the end raises instead of moving
     )
-    await consumer.start()
     wanted: dict[TopicPartition, Mark] = {}
     seen: dict[TopicPartition, ConsumerRecord[Any, Any]] = {}
     try:
-        tps = [TopicPartition(t, p) for (t, p), mark in marks.items()]
+        await consumer.start()
+        tps = [TopicPartition(t, p) for (t, p) in marks]
+        known = await _partitions(consumer, {tp.topic for tp in tps})
+        absent = [f"{tp.topic}[{tp.partition}]" for tp in tps if tp not in known]
+        if absent:
+            return Verdict(False, f"the log has no partition {', '.join(sorted(absent)[:5])}")
         ends = await consumer.end_offsets(tps) if tps else {}
         starts = await consumer.beginning_offsets(tps) if tps else {}
         for tp in tps:
@@ -202,7 +217,8 @@ async def verify_marks(
             # Tansu's end offset can lag the last batch's end (see above), so only an empty
             # partition is certainly shorter; the record fetched below decides the rest.
             if ends[tp] == 0 and mark[0] > 0:
-                return f"{tp.topic}[{tp.partition}] is empty, the snapshot read to {mark[0]}"
+                why = f"{tp.topic}[{tp.partition}] is empty, the snapshot read to {mark[0]}"
+                return Verdict(False, why)
             if starts[tp] > mark[0]:
                 # Retention deleted records the snapshot did not cover: nothing holds them now
                 # (a replay would miss them too), so the snapshot is still the best start.
@@ -216,7 +232,7 @@ async def verify_marks(
             if mark[0] > 0 and starts[tp] <= mark[0] - 1:
                 wanted[tp] = mark
         if not wanted:
-            return None
+            return Verdict(True)
         consumer.assign(list(wanted))
         for tp, mark in wanted.items():
             consumer.seek(tp, mark[0] - 1)
@@ -231,14 +247,39 @@ async def verify_marks(
             record = seen[tp]
             found = (record.offset + 1, record.timestamp, len(record.value or b""))
             if found != mark:
-                return (
+                why = (
                     f"{tp.topic}[{tp.partition}] at {mark[0] - 1}: log has {found}, snapshot {mark}"
                 )
-        return None
+                return Verdict(False, why)
+        return Verdict(True)
     except OffsetOutOfRangeError as exc:
-        return f"an offset before the snapshot's marks is not in the log: {exc}"
+        return Verdict(False, f"an offset before the snapshot's marks is not in the log: {exc}")
     except TimeoutError:
         missing = sorted(f"{tp.topic}[{tp.partition}]" for tp in wanted if tp not in seen)
-        return f"the records before the snapshot's marks did not arrive: {missing[:5]}"
+        return Verdict(
+            None, f"the records before the snapshot's marks did not arrive: {missing[:5]}"
+        )
+    except Exception as exc:  # the broker away or slow: no verdict, try again later
+        return Verdict(None, f"could not read the log: {exc!r}"[:300])
+    finally:
+        await consumer.stop()
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topics: set[str]) -> set[TopicPartition]:
+    """Every partition of `topics` the broker has (metadata, not offsets: asking offsets of a
+    partition that does not exist waits out the request timeout)."""
+    await consumer.topics()  # fetches the cluster's metadata
+    return {TopicPartition(t, p) for t in topics for p in (consumer.partitions_for_topic(t) or ())}
+
+
+async def truncated(bootstrap: str, topics: tuple[str, ...]) -> list[str]:
+    """Partitions of `topics` whose log no longer starts at offset 0 (retention deleted their
+    oldest records): reading them from the beginning does not rebuild the whole state."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = sorted(await _partitions(consumer, set(topics)))
+        starts = await consumer.beginning_offsets(tps) if tps else {}
+        return [f"{tp.topic}[{tp.partition}] from {starts[tp]}" for tp in tps if starts[tp] > 0]
     finally:
         await consumer.stop()

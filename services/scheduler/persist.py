@@ -3,8 +3,9 @@
 Every replica takes them, leader and standbys alike, and the store keeps whichever covers the
 most of the log. A leader leaves the work to a standby when another replica's snapshot is recent
 (capturing stops its loop for the time it takes: tens of milliseconds per 10,000 jobs held), and
-takes them itself when it runs alone. PostgreSQL being away costs nothing but the snapshot:
-the start replays the topics instead, the loop tries again later.
+takes them itself when it runs alone. Without a usable snapshot (PostgreSQL away, none taken
+yet, one of another log) a start replays the topics only while the log is whole, and waits
+otherwise (see `load`); a snapshot that failed to save is tried again at the next interval.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import structlog
 from pydantic import ValidationError
 
 from services.common.db import create_pool
-from services.scheduler.feed import Feed, Mark, verify_marks
+from services.scheduler.feed import Feed, Mark, truncated, verify_marks
 from services.scheduler.handlers import SchedulerMetrics
 from services.scheduler.snapshot import capture, decode, marks_of, restore
 from services.scheduler.state import SchedulerState
@@ -43,6 +44,8 @@ class Snapshots:
         every_s: float,
         min_records: int,
         leading: Callable[[], bool],
+        topics: tuple[str, ...],
+        replay_truncated: bool = False,
     ) -> None:
         self.database_url = database_url
         self.name = name
@@ -54,6 +57,8 @@ class Snapshots:
         self.every_s = every_s
         self.min_records = min_records
         self.leading = leading
+        self.topics = topics
+        self.replay_truncated = replay_truncated
         self._store: SnapshotStore | None = None
         self._taken_at_records = 0
         # When the stored snapshot this process found unusable was taken: its next one
@@ -77,36 +82,72 @@ class Snapshots:
             await self._store.pool.close()
 
     async def load(self) -> dict[tuple[str, int], Mark] | None:
-        """Restores the latest usable snapshot into the state; the marks the feed resumes
-        from, or None to read every topic from the beginning."""
+        """Restores the latest usable snapshot into the state and returns the marks the feed
+        resumes from; or None: read every topic from the beginning, which rebuilds the whole
+        state only while the log is whole (no partition truncated by retention). Without a
+        usable snapshot and with a truncated log it waits, retrying, rather than decide on a
+        state that misses old jobs and placements (`QM_REPLAY_TRUNCATED_LOG` overrides)."""
+        pause = 1.0
+        while True:
+            outcome = await self._try_load()
+            if not isinstance(outcome, str):
+                return outcome
+            missing = await self._truncated()
+            if not missing:
+                if outcome:
+                    log.warning("replaying the topics: the log is whole", why=outcome)
+                return None
+            if self.replay_truncated:
+                log.error(
+                    "replaying a truncated log (QM_REPLAY_TRUNCATED_LOG): records before these "
+                    "offsets are unknown to the scheduler",
+                    why=outcome,
+                    truncated=missing[:10],
+                )
+                return None
+            log.error(
+                "no usable snapshot and the log is truncated: waiting for one",
+                why=outcome,
+                truncated=missing[:10],
+                retry_in_s=pause,
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
+    async def _truncated(self) -> list[str]:
+        try:
+            return await truncated(self.bootstrap, self.topics)
+        except Exception as exc:
+            return [f"unknown: {exc!r}"[:200]]  # cannot tell: as unsafe as truncated
+
+    async def _try_load(self) -> dict[tuple[str, int], Mark] | str:
+        """The marks of a restored snapshot, or why none was restored ("" when there is
+        none)."""
         started = time.perf_counter()
         try:
             stored = await (await self.store()).latest()
         except Exception as exc:
-            log.warning("snapshots unavailable; replaying the topics", error=repr(exc)[:300])
-            return None
+            return f"snapshots unavailable: {exc!r}"[:300]
         if stored is None:
-            return None
-        self._unusable = stored.taken_at  # until it is restored below
+            return ""
         try:
             snap = decode(stored.body)
         except (ValidationError, ValueError) as exc:
-            log.warning(
-                "a snapshot this version cannot read; replaying the topics",
-                error=str(exc).splitlines()[0][:300],
-            )
-            return None
-        why = await verify_marks(self.bootstrap, marks_of(snap))
-        if why is not None:
-            log.warning("the snapshot is not of this log; replaying the topics", why=why)
-            return None
+            self._unusable = stored.taken_at
+            return "a snapshot this version cannot read: " + str(exc).splitlines()[0][:300]
+        verdict = await verify_marks(self.bootstrap, marks_of(snap))
+        if verdict.matches is None:
+            return f"the snapshot could not be checked against the log: {verdict.why}"
+        if not verdict.matches:
+            self._unusable = stored.taken_at
+            return f"the snapshot is not of this log: {verdict.why}"
         # Filled apart and moved over whole, so a failure half-way leaves the state empty.
         fresh = SchedulerState(time_scale=self.state.time_scale)
         try:
             marks = restore(fresh, snap)
         except (KeyError, ValueError) as exc:
-            log.warning("the snapshot does not restore; replaying the topics", error=repr(exc))
-            return None
+            self._unusable = stored.taken_at
+            return f"the snapshot does not restore: {exc!r}"
         for f in fields(SchedulerState):
             setattr(self.state, f.name, getattr(fresh, f.name))
         self._unusable = None

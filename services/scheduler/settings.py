@@ -31,3 +31,7 @@ class SchedulerSettings(ServiceSettings):
     snapshots: bool = True
     snapshot_every_s: float = 60.0
     snapshot_min_records: int = 1000
+    # Without a usable snapshot, a start replays the topics only while none is truncated by
+    # retention; otherwise it waits for one. This starts it anyway, knowing nothing of the
+    # records before the logs' start (old pending or running jobs are then unknown to it).
+    replay_truncated_log: bool = False

@@ -14,13 +14,17 @@ from typing import Any
 
 import asyncpg
 import pytest
+from aiokafka import AIOKafkaProducer
 from fastapi import FastAPI
 
+from cli.infra import free_port
 from schemas import topics
 from schemas.envelope import Envelope
 from schemas.events import JobFinished, JobQueued, Outcome
 from services.common.topics import ensure_topics
 from services.scheduler.app import create_app
+from services.scheduler.feed import verify_marks
+from services.scheduler.persist import Snapshots
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
 from tests.conftest import private_kafka
@@ -188,3 +192,83 @@ async def test_a_snapshot_of_another_log_or_unreadable_is_set_aside(
             await caught_up(app)
             assert metric(app, "qm_scheduler_resumed_from_snapshot") in (None, 0)
             assert set(app.state.scheduler.running) == set(fresh_jobs)
+
+
+async def test_marks_of_another_log_are_told_apart_by_their_records(tmp_path: Path) -> None:
+    """Two brokers whose partitions are as long as each other: the record before each mark
+    tells them apart; a partition the broker lacks is no match; a broker away is no verdict."""
+    records = [("a" * n).encode() for n in (10, 20, 30)]
+    marks = {}
+    with private_kafka(tmp_path / "one") as one, private_kafka(tmp_path / "two") as two:
+        for url, tail in ((one, b"x"), (two, b"yy")):
+            await ensure_topics(url)
+            producer = AIOKafkaProducer(bootstrap_servers=url)
+            await producer.start()
+            try:
+                for value in records:
+                    meta = await producer.send_and_wait(
+                        topics.JOB_QUEUED, value + tail, partition=0
+                    )
+            finally:
+                await producer.stop()
+            if url == one:
+                marks = {
+                    (topics.JOB_QUEUED, 0): (meta.offset + 1, meta.timestamp, len(value + tail))
+                }
+        assert (await verify_marks(one, marks)).matches is True
+        other = await verify_marks(two, marks)
+        assert other.matches is False and "log has" in other.why
+        absent = await verify_marks(one, {**marks, (topics.JOB_QUEUED, 99): (1, 0, 1)})
+        assert absent.matches is False and "no partition" in absent.why
+    away = await verify_marks(f"127.0.0.1:{free_port()}", marks, timeout_s=2)
+    assert away.matches is None
+
+
+class TruncatedFor(Snapshots):
+    """The broker here cannot delete records (Tansu answers no DeleteRecords), so the answer to
+    "is the log truncated" is played: truncated for the first `times` questions."""
+
+    def __init__(self, times: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.times = times
+        self.asked = 0
+
+    async def _truncated(self) -> list[str]:
+        self.asked += 1
+        return ["job.queued[0] from 5"] if self.asked <= self.times else []
+
+
+async def test_without_a_snapshot_a_truncated_log_is_not_replayed(
+    own_kafka: str, service_env: dict[str, Any]
+) -> None:
+    lease = f"qm:test:snap:{uuid.uuid4().hex[:8]}"
+    app = create_app(settings_for(own_kafka, service_env, lease))
+    snapshots: Snapshots = app.state.snapshots
+    kwargs = {
+        name: getattr(snapshots, name)
+        for name in (
+            "database_url",
+            "name",
+            "bootstrap",
+            "state",
+            "feed",
+            "metrics",
+            "holder",
+            "every_s",
+            "min_records",
+            "leading",
+            "topics",
+        )
+    }
+    waiting = TruncatedFor(2, **kwargs)
+    try:
+        assert await waiting.load() is None  # only once the log was whole again
+        assert waiting.asked == 3
+    finally:
+        await waiting.close()
+    overridden = TruncatedFor(5, replay_truncated=True, **kwargs)
+    try:
+        assert await overridden.load() is None
+        assert overridden.asked == 1  # replayed at once, knowingly
+    finally:
+        await overridden.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -399,3 +400,28 @@ def test_a_standby_drops_its_notes_past_a_bound_and_rebuilds() -> None:
     world.working.verify_every = 1  # the rebuilt state is right: checked strictly
     world.run_cycle()
     assert world.working.rebuilds == 2
+
+
+def test_a_cycle_that_raises_half_way_rebuilds_next_time() -> None:
+    """The notes of what changed are taken when a cycle starts: if bringing the kept state up
+    to date raises half-way, the next cycle must rebuild rather than trust a half-synced state."""
+    world = World(lose=[])
+    for _ in range(3):
+        world.arrive(1, "vision", "low")
+    world.run_cycle()
+    world.finish(0)
+    world.arrive(1, "nlp", "low")
+    calls = {"n": 0}
+    queues = world.working.state.queues  # type: ignore[union-attr]
+    add = queues.add
+
+    def failing_add(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        raise RuntimeError("half-way")
+
+    queues.add = failing_add  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="half-way"):
+        world.run_cycle()
+    queues.add = add  # type: ignore[method-assign]
+    assert calls["n"] == 1 and world.working.state is None
+    world.run_cycle()  # rebuilt, and checked strictly against a rebuild
