@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from services.common.db import create_pool
 from services.scheduler.feed import Feed, Mark, truncated, verify_marks
 from services.scheduler.handlers import SchedulerMetrics
-from services.scheduler.snapshot import capture, decode, marks_of, restore
+from services.scheduler.snapshot import capture_in_slices, decode, marks_of, restore
 from services.scheduler.state import SchedulerState
 from services.scheduler.store import SnapshotStore
 
@@ -189,7 +189,8 @@ class Snapshots:
                     return False
         started = time.perf_counter()
         marks = self.feed.marks()
-        body = capture(self.state, marks)  # no await since the marks: state and marks agree
+        # The state is taken before the first await: it and the marks agree.
+        body = await capture_in_slices(self.state, marks)
         self.metrics.snapshot_capture.observe(time.perf_counter() - started)
         progress = sum(mark[0] for mark in marks.values())
         records = self.feed.records

@@ -15,11 +15,12 @@ the scheduler replays its topics instead (as it did before snapshots existed).
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from core.model import Allocation, ClusterId, JobId, NodeId, ReplicaPlacement
 from schemas.events import ClusterCapacity, JobQueued, PlacementDecided
@@ -85,10 +86,35 @@ class SchedulerSnapshot(BaseModel):
 
 
 def capture(state: SchedulerState, marks: Marks) -> bytes:
-    """The state and the feed's positions as bytes. Synchronous on purpose: nothing may apply
-    a record between reading the positions and the state."""
+    """The state and the feed's positions as bytes, in one go (see `capture_in_slices`)."""
+    return _frozen(state, marks).model_dump_json().encode()
+
+
+async def capture_in_slices(state: SchedulerState, marks: Marks, slice_jobs: int = 1000) -> bytes:
+    """The same bytes as `capture`, without stopping the event loop for the whole encoding:
+    the state is taken at once (references, no await, so nothing is applied between reading
+    the marks and the state; a job's `job.queued` event is never changed in place, only
+    replaced), then the jobs are encoded `slice_jobs` at a time with the loop running between
+    slices. 20,000 pending jobs took 1-2 s to encode in one go on a busy machine, against a
+    leader lease of 3 s."""
+    snap = _frozen(state, marks)
+    queued = snap.queued
+    head = snap.model_copy(update={"queued": []}).model_dump_json().encode()
+    parts: list[bytes] = []
+    for start in range(0, len(queued), slice_jobs):
+        await asyncio.sleep(0)
+        parts.append(_QUEUED.dump_json(queued[start : start + slice_jobs])[1:-1])
+    # The empty list's place in the head: "queued":[] cannot occur inside a JSON string,
+    # where every quote is escaped.
+    return head.replace(b'"queued":[]', b'"queued":[' + b",".join(parts) + b"]", 1)
+
+
+_QUEUED = TypeAdapter(list[JobQueued])
+
+
+def _frozen(state: SchedulerState, marks: Marks) -> SchedulerSnapshot:
     finished = list(state.finished)[-FINISHED_IN_SNAPSHOT:]
-    snap = SchedulerSnapshot.model_construct(
+    return SchedulerSnapshot.model_construct(
         format=FORMAT,
         positions=[(t, p, *mark) for (t, p), mark in sorted(marks.items())],
         time_scale=state.time_scale,
@@ -126,7 +152,6 @@ def capture(state: SchedulerState, marks: Marks) -> bytes:
         protected=dict(state.protected),
         held=dict(state.held),
     )
-    return snap.model_dump_json().encode()
 
 
 def decode(body: bytes) -> SchedulerSnapshot:
