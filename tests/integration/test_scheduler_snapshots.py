@@ -110,7 +110,7 @@ async def test_a_start_resumes_from_the_snapshot_and_reads_only_the_rest(
     async with running(leader):
         await read_until(own_kafka, lambda found: set(placements(found)) >= set(first))
         await caught_up(leader)
-        # The feed has read its own placements back.
+        # The leader has applied its four placements (as acknowledged): the snapshot holds them.
         await eventually(lambda: len(leader.state.scheduler.running) >= 4)
         assert await leader.state.snapshots.take(force=True)
         records_before = leader.state.snapshots.feed.records
