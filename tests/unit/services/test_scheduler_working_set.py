@@ -6,6 +6,7 @@ difference), and the kept state is what the next cycle decides on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from core.model import JobId
+from core.model import JobId, NodeId
 from core.policy import Policy
 from schemas.events import Claim as WireClaim
 from schemas.events import (
@@ -31,6 +32,7 @@ from schemas.events import (
     ReplicaAssignment,
     RunFailed,
 )
+from schemas.usage import BudgetExceeded
 from services.scheduler.cycle import Cycle
 from services.scheduler.handlers import SchedulerMetrics
 from services.scheduler.state import SchedulerState
@@ -144,6 +146,36 @@ class World:
         decisions = self.cycle.decide(epoch=1, now=self.now)
         self.cycle.apply(decisions, self.acks.outcomes(len(decisions.messages())))
 
+    def cycle_with_events_during_publish(self, steps: list[tuple[Any, ...]]) -> None:
+        """Decide, let the feed apply `steps` while the publish is awaited, then apply what
+        the broker acknowledged (as `Cycle.run_once` does)."""
+        decisions = self.cycle.decide(epoch=1, now=self.now)
+        play(self, [s for s in steps if s[0] not in ("cycle", "publish_gap", "lost_lease")])
+        self.cycle.apply(decisions, self.acks.outcomes(len(decisions.messages())))
+
+    def cycle_losing_the_lease(self) -> None:
+        """Decided, then dropped unpublished (the lease ran out during the cycle)."""
+        self.cycle.decide(epoch=1, now=self.now)
+
+    def budget(self, tenant: str, factor: float) -> None:
+        """A tenant's budget in deprioritize mode ran out: the policy's weights change."""
+        month = datetime.fromtimestamp(self.now, UTC).strftime("%Y-%m")
+        self.state.on_budget(
+            BudgetExceeded(
+                budget_id=f"b-{tenant}",
+                tenant=tenant,
+                month=month,
+                unit="accelerator_hours",
+                limit=10,
+                used=10,
+                threshold_pct=100,
+                enforcement="deprioritize",
+                weight_factor=factor,
+                crossed_at=datetime.fromtimestamp(self.now, UTC),
+                message="budget used up",
+            )
+        )
+
     def arrive(self, shape: int, tenant: str, priority: str) -> None:
         self.jobs += 1
         event = queued(f"j{self.jobs}", shape, tenant, priority)
@@ -219,6 +251,10 @@ class World:
         job = self.state.pending[job_id]
         nodes = sorted(self.state.nodes)
         chosen = self.state.nodes[nodes[node % len(nodes)]]
+        if node >= 9:
+            # A node the inventory no longer lists (it left while the placement was on its
+            # way): nothing is charged for it, in the kept state as in a rebuild.
+            chosen = replace(chosen, node_id=NodeId(f"{chosen.node_id}-gone"))
         event = PlacementDecided(
             job_id=job_id,
             attempt=self.state.next_attempt(job_id),
@@ -307,6 +343,9 @@ STEP = st.one_of(
     st.tuples(st.just("fleet"), st.integers(0, 2)),
     st.tuples(st.just("health"), st.integers(0, 10), st.booleans()),
     st.tuples(st.just("wait"), st.sampled_from([1.0, 10.0])),
+    st.tuples(st.just("publish_gap"), st.lists(st.deferred(lambda: STEP), max_size=4)),
+    st.tuples(st.just("lost_lease")),
+    st.tuples(st.just("budget"), st.sampled_from(["vision", "nlp"]), st.sampled_from([0.5, 0.25])),
 )
 
 
@@ -342,6 +381,12 @@ def play(world: World, steps: list[tuple[Any, ...]]) -> None:
             world.fleet_change(*args)
         elif kind == "health":
             world.health(*args)
+        elif kind == "publish_gap":
+            world.cycle_with_events_during_publish(*args)
+        elif kind == "lost_lease":
+            world.cycle_losing_the_lease()
+        elif kind == "budget":
+            world.budget(*args)
         else:
             world.now += args[0]
 
