@@ -30,9 +30,10 @@ from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.inventory import inventory
 from bench.machine import describe
 from core.policy import Policy
-from schemas.events import ClusterCapacity, JobFinished, JobQueued, NodeInfo, Outcome
+from schemas.events import ClusterCapacity, JobFinished, JobQueued, Outcome
 from schemas.job import JobSpec
 from services.scheduler.cycle import Cycle
 from services.scheduler.handlers import SchedulerMetrics
@@ -47,28 +48,17 @@ POLICY = Policy.from_dict(
 
 
 def capacity(cluster: str, kind: str, count: int) -> ClusterCapacity:
-    return ClusterCapacity(
-        cluster=cluster,
-        location=cluster,
-        kind="on_prem",
-        prices={kind: {"reserved": 2.0}},
-        nodes=[
-            NodeInfo(
-                node_id=f"{cluster}-n{i:05d}",
-                block=f"b{i // 64}",
-                rack=f"r{i // 8}",
-                nvlink_domain=f"{cluster}-d{i}",
-                accelerator_type=kind,
-                generation="g",
-                accelerator_memory_gb=80,
-                relative_speed=2.0,
-                accelerators=8,
-                cpu=128,
-                memory_gb=1024,
-                price_tier="reserved",
-            )
-            for i in range(count)
-        ],
+    return inventory(
+        cluster,
+        kind,
+        count,
+        cpu=128,
+        memory_gb=1024,
+        name="{cluster}-n{i:05d}",
+        rack_size=8,
+        block_size=64,
+        generation="g",
+        relative_speed=2.0,
     )
 
 

@@ -37,10 +37,10 @@ from aiokafka import AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.inventory import inventory
 from bench.machine import describe
 from cli import infra
 from schemas import topics
-from schemas.events import ClusterCapacity, NodeInfo
 from services.common.topics import ensure_topics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,28 +62,15 @@ def envelope(event_type: str, payload: dict[str, Any], i: int) -> bytes:
 
 
 def capacity() -> bytes:
-    event = ClusterCapacity(
-        cluster="bench",
-        location="here",
-        kind="on_prem",
-        prices={"H100": {"reserved": 2.0}},
-        nodes=[
-            NodeInfo(
-                node_id=f"n{i:04d}",
-                block=f"b{i // 32}",
-                rack=f"r{i // 8}",
-                nvlink_domain=f"d{i}",
-                accelerator_type="H100",
-                generation="hopper",
-                accelerator_memory_gb=80,
-                relative_speed=3,
-                accelerators=8,
-                cpu=128,
-                memory_gb=1024,
-                price_tier="reserved",
-            )
-            for i in range(NODES)
-        ],
+    event = inventory(
+        "bench",
+        "H100",
+        NODES,
+        cpu=128,
+        memory_gb=1024,
+        name="n{i:04d}",
+        rack_size=8,
+        block_size=32,
     )
     return envelope("ClusterCapacity", event.model_dump(mode="json"), 0)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from bench.inventory import inventory
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
     JobPreempted,
     JobQueued,
-    NodeInfo,
     Outcome,
     PlacementDecided,
     PlacementRefused,
@@ -20,29 +20,7 @@ from tests.unit.services.builders import T0, spec
 
 
 def capacity(nodes: int = 2) -> ClusterCapacity:
-    return ClusterCapacity(
-        cluster="c1",
-        location="here",
-        kind="on_prem",
-        prices={"H100": {"reserved": 2.0}},
-        nodes=[
-            NodeInfo(
-                node_id=f"n{i}",
-                block="b",
-                rack="r",
-                nvlink_domain=f"d{i}",
-                accelerator_type="H100",
-                generation="hopper",
-                accelerator_memory_gb=80,
-                relative_speed=3,
-                accelerators=8,
-                cpu=64,
-                memory_gb=512,
-                price_tier="reserved",
-            )
-            for i in range(nodes)
-        ],
-    )
+    return inventory(count=nodes)
 
 
 def queued(job_id: str) -> JobQueued:

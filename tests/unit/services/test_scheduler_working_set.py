@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from bench.inventory import inventory
 from core.model import JobId, NodeId
 from core.policy import Policy
 from schemas.events import Claim as WireClaim
@@ -23,7 +24,6 @@ from schemas.events import (
     JobFinished,
     JobPreempted,
     JobQueued,
-    NodeInfo,
     Outcome,
     PlacementDecided,
     PlacementRefused,
@@ -59,28 +59,15 @@ SHAPES = [(1.0, 1), (8.0, 1), (4.0, 2), (8.0, 2), (0.25, 1), (0.5, 1), (0.3, 1),
 
 
 def capacity(cluster: str, kind: str, count: int, devices: int) -> ClusterCapacity:
-    return ClusterCapacity(
-        cluster=cluster,
-        location="here",
-        kind="on_prem",
-        prices={kind: {"reserved": 2.0}},
-        nodes=[
-            NodeInfo(
-                node_id=f"{cluster}-n{i}",
-                block="b",
-                rack=f"r{i // 2}",
-                nvlink_domain=f"{cluster}-d{i}",
-                accelerator_type=kind,
-                generation="g",
-                accelerator_memory_gb=80,
-                relative_speed=2,
-                accelerators=devices,
-                cpu=64,
-                memory_gb=512,
-                price_tier="reserved",
-            )
-            for i in range(count)
-        ],
+    return inventory(
+        cluster,
+        kind,
+        count,
+        devices=devices,
+        name="{cluster}-n{i}",
+        rack_size=2,
+        generation="g",
+        relative_speed=2,
     )
 
 
