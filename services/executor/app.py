@@ -1,5 +1,6 @@
-"""The executor service for one cluster, on the simulated backend: it consumes placements and
-orders, ends runs on their clock, and sends inventory, heartbeats and gang progress."""
+"""The executor service for one cluster: it consumes placements and orders and sends inventory
+and heartbeats. On the simulated backend it ends runs on their clock and reports gang progress;
+on the kubernetes backend the cluster runs them (services/executor/kube/)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import FastAPI
 
 from core.fleet import load_fleet
 from schemas import topics
+from schemas.health import NodeProbe
 from services.common.bootstrap import open_outboxed
 from services.common.consumer import Consumers, Records
 from services.common.kafka import (
@@ -21,9 +23,13 @@ from services.common.kafka import (
 )
 from services.common.policyfile import load_policy, read_yaml
 from services.common.runtime import Runtime, create_http_app
+from services.executor.backend import Backend
 from services.executor.faults import FaultInjector, Outage, Slowdowns, fault_router
 from services.executor.fleetinfo import capacity_event, heartbeats
 from services.executor.handlers import PAYLOADS, Executor
+from services.executor.kube.backend import KubeBackend
+from services.executor.kube.connect import api_client, device_loss_kind, kube_options, node_labels
+from services.executor.kube.inventory import KubeInventory
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.random_faults import RandomFaults
@@ -48,8 +54,15 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             f"(clusters: {', '.join(sorted(clusters))})"
         )
     cluster = clusters[cluster_name]  # type: ignore[index]
-    nodes = {str(n.node_id): n for n in all_nodes.values() if n.cluster == cluster_name}
+    # On Kubernetes the nodes are the cluster's Node objects (KubeInventory), not the fleet's.
+    kubernetes = settings.executor_backend == "kubernetes"
+    nodes = {
+        str(n.node_id): n
+        for n in all_nodes.values()
+        if n.cluster == cluster_name and not kubernetes
+    }
     book = NodeBook(nodes)
+    inventory: list[KubeInventory] = []  # the cluster's nodes, once connected
     outage = Outage()
     slowdowns = Slowdowns()
     injector = FaultInjector(
@@ -91,7 +104,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
                 continue
             out: list[OutMessage] = []
             if time.monotonic() - last_capacity >= settings.capacity_interval_s:
-                cap = capacity_event(cluster, nodes)
+                cap = capacity_event(cluster, inventory[0].nodes() if inventory else nodes)
                 out.append(
                     OutMessage(
                         topics.CLUSTER_CAPACITY,
@@ -100,7 +113,10 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
                     )
                 )
                 last_capacity = time.monotonic()
+            silent = inventory[0].silent() if inventory else set()
             for beat in heartbeats(cluster_name, book):
+                if beat.node_id in silent:
+                    continue
                 out.append(
                     OutMessage(
                         topics.NODE_HEARTBEAT,
@@ -140,6 +156,11 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             runtime, broker, consumers, schema=schema_for(cluster_name), migrations=MIGRATIONS
         )
         store = ExecutorStore(pool, cluster_name)
+        kube: KubeBackend | None = None
+        backend: Backend | None = None
+        if kubernetes:
+            kube = await connect_kubernetes()
+            backend = kube
         executor = Executor(
             cluster_name,
             book,
@@ -148,17 +169,45 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             metrics,
             time_scale=settings.time_scale,
             default_duration_s=settings.default_duration_s,
+            backend=backend,
         )
         await executor.restore()
         state["executor"] = executor
         runtime.background(finish_loop)
         runtime.background(tombstone_loop)
         runtime.background(announce_loop)
-        runtime.background(progress_loop)
-        if settings.fault_rate_per_hour > 0:
-            random_mode.configure(settings.fault_rate_per_hour, settings.fault_seed)
-        runtime.background(random_mode.run_forever)
+        if kube is not None:
+            kube.adopt(list(executor.running.values()))
+            backend_run = kube.run
+            runtime.background(lambda: backend_run(executor.report))
+            runtime.background(inventory[0].run)
+        else:
+            runtime.background(progress_loop)
+            if settings.fault_rate_per_hour > 0:
+                random_mode.configure(settings.fault_rate_per_hour, settings.fault_seed)
+            runtime.background(random_mode.run_forever)
         await broker.start()
+
+    async def publish_probe(probe: NodeProbe) -> None:
+        env = envelope_for("NodeProbe", probe, producer=producer)
+        await publish_all(broker, [OutMessage(topics.NODE_PROBE, probe.node_id, env)])
+
+    async def connect_kubernetes() -> KubeBackend:
+        """The cluster's API; its nodes in the book before the store's runs are booked again."""
+        api = await api_client(settings)
+        runtime.on_shutdown(api.close)
+        nodes_now = KubeInventory(
+            api,
+            cluster_name,
+            node_labels(settings),
+            policy.accelerator_types,
+            book,
+            on_probe=publish_probe,
+            device_loss=device_loss_kind(settings),
+        )
+        await nodes_now.load()
+        inventory.append(nodes_now)
+        return KubeBackend(api, kube_options(settings), hostnames=nodes_now.hostname)
 
     app = create_http_app(runtime)
     app.include_router(fault_router(injector, outage, random_mode))

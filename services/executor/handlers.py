@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -33,10 +34,22 @@ from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
 from services.common.logging import bind_event
 from services.common.outbox import OutboxRelay
+from services.executor.backend import (
+    Action,
+    Backend,
+    Launch,
+    Quarantine,
+    Release,
+    ReportKind,
+    RunReport,
+    SignalCheckpoint,
+    SimulatedBackend,
+    Teardown,
+)
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
-from services.executor.runs import ended_by_itself, fleet_s, preempted
-from services.executor.simulated import RunEnd, simulate
+from services.executor.runs import ended_by_itself, fleet_s, preempted, reported_end
+from services.executor.simulated import RunEnd
 from services.executor.store import Checkpoint, ExecutorStore, RunKey, RunningJob, utcnow
 
 log = structlog.get_logger()
@@ -63,6 +76,7 @@ class Executor:
         *,
         time_scale: float,
         default_duration_s: float,
+        backend: Backend | None = None,
     ) -> None:
         self.cluster = cluster
         self.producer = f"executor/{cluster}"
@@ -73,6 +87,9 @@ class Executor:
         self.metrics = metrics
         self.time_scale = time_scale
         self.default_duration_s = default_duration_s
+        self.backend: Backend = backend or SimulatedBackend(time_scale, default_duration_s)
+        # What the change being committed decided to do outside the process (backend.act).
+        self._acts: list[Action] = []
         self.running: dict[str, RunningJob] = {}
         self.due: list[tuple[float, str, int]] = []
         self.epoch = 0
@@ -149,6 +166,7 @@ class Executor:
     async def _commit(
         self, items: list[tuple[Envelope, Any]], dead: list[OutMessage], fence: int
     ) -> None:
+        self._acts = []
         async with self.relay.transaction() as tx:
             conn = tx.conn
             fresh = await tx.claim([e.event_id for e, _ in items])
@@ -166,7 +184,7 @@ class Executor:
                 if env.event_id not in fresh:
                     continue
                 if isinstance(item, PlacementDecided):
-                    out.append(self._place(env, item, started))
+                    out.extend(self._place(env, item, started))
                 elif isinstance(item, JobStopOrdered):
                     out.extend(self._stop(env, item, ended, tombs))
                 elif isinstance(item, NodeUnhealthy):
@@ -177,6 +195,7 @@ class Executor:
                     out.extend(self._preempt(env, item, ended))
                 else:
                     self.book.set_health(item.node_id, healthy=True)
+                    self._acts.append(Release(item.node_id))
             await self.store.write(
                 conn,
                 started=started,
@@ -187,6 +206,7 @@ class Executor:
             )
             tx.emit(out)
         self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
+        await self.backend.act(self._acts)
 
     def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
         self.metrics.refused.labels(code).inc()
@@ -202,7 +222,39 @@ class Executor:
         )
         return self._emit(topics.PLACEMENT_REFUSED, "PlacementRefused", refusal, p.spec.tenant, env)
 
-    def _place(self, env: Envelope, p: PlacementDecided, started: list[RunningJob]) -> OutMessage:
+    def _place(
+        self, env: Envelope, p: PlacementDecided, started: list[RunningJob]
+    ) -> list[OutMessage]:
+        refusal = self._refusal(env, p)
+        if refusal is not None:
+            return [refusal]
+        self.book.allocate(p.job_id, p.replicas)
+        now = utcnow()
+        job = self.backend.begin(p, now)
+        self._track(job)
+        started.append(job)
+        self.metrics.started.inc()
+        if not job.started:  # it is announced when the backend reports it running
+            self._acts.append(Launch(p))
+            return []
+        return [self._started(job, env)]
+
+    def _started(self, job: RunningJob, env: Envelope | None) -> OutMessage:
+        return self._emit(
+            topics.JOB_STARTED,
+            "JobStarted",
+            JobStarted(
+                job_id=job.job_id,
+                attempt=job.attempt,
+                cluster=self.cluster,
+                nodes=job.nodes,
+                started_at=job.started_at,
+            ),
+            job.tenant,
+            env,
+        )
+
+    def _refusal(self, env: Envelope, p: PlacementDecided) -> OutMessage | None:
         if p.epoch < self.epoch:
             return self._refuse(
                 env,
@@ -223,41 +275,7 @@ class Executor:
         why = self.book.check(p.replicas)
         if why is not None:
             return self._refuse(env, p, "would_overcommit", why)
-        self.book.allocate(p.job_id, p.replicas)
-        run = simulate(p.spec, self.default_duration_s, p.attempt, p.replicas)
-        now = utcnow()
-        job = RunningJob(
-            job_id=p.job_id,
-            attempt=p.attempt,
-            epoch=p.epoch,
-            tenant=p.spec.tenant,
-            replicas=p.replicas,
-            started_at=now,
-            ends_at=now + timedelta(seconds=run.virtual_s / self.time_scale),
-            end=run.end,
-            reason_code=run.reason_code,
-            message=run.message,
-            exit_code=run.exit_code,
-            step_s=run.step_s,
-            checkpoint_s=run.checkpoint_s,
-            checkpoint_every_s=run.checkpoint_every_s,
-        )
-        self._track(job)
-        started.append(job)
-        self.metrics.started.inc()
-        return self._emit(
-            topics.JOB_STARTED,
-            "JobStarted",
-            JobStarted(
-                job_id=p.job_id,
-                attempt=p.attempt,
-                cluster=self.cluster,
-                nodes=job.nodes,
-                started_at=now,
-            ),
-            p.spec.tenant,
-            env,
-        )
+        return None
 
     def _stop(
         self, env: Envelope, cmd: JobStopOrdered, ended: list[RunKey], tombs: list[str]
@@ -267,6 +285,7 @@ class Executor:
             self.tombstones[cmd.job_id] = time.time()
             tombs.append(cmd.job_id)
             return []
+        self._acts.append(Teardown(job.key, cmd.reason))
         return [
             self._end(
                 job, env, Outcome.CANCELED, cmd.reason, f"stopped on request ({cmd.reason})", ended
@@ -300,6 +319,7 @@ class Executor:
             done = now + timedelta(seconds=job.checkpoint_s / self.time_scale)
             job.checkpoint = Checkpoint(at=now, done_at=done, stop_at=cmd.stop_at)
             checkpointed.append(job)
+            self._acts.append(SignalCheckpoint(job.key, now, cmd.stop_at))
             self.metrics.checkpoints.inc()
             log.info(
                 "checkpoint signalled",
@@ -323,6 +343,7 @@ class Executor:
             return []
         del self.running[job.job_id]
         self._release(job, ended, "preempted")
+        self._acts.append(Teardown(job.key, "preempted"))
         event = preempted(
             job,
             self.cluster,
@@ -358,9 +379,11 @@ class Executor:
         )
         out = []
         now = utcnow()
+        self._acts.append(Quarantine(down.node_id, down.cause))
         for job in hit:
             del self.running[job.job_id]
             self._release(job, ended, "node_failure")
+            self._acts.append(Teardown(job.key, "node_failure", grace_s=0))
             lost = preempted(
                 job,
                 self.cluster,
@@ -444,6 +467,70 @@ class Executor:
             else:
                 self.metrics.finished.labels(job.end.value).inc()
         return len(due)
+
+    async def report(self, reports: Sequence[RunReport]) -> list[RunReport]:
+        """Judge what the backend saw runs do (under the change lock, like any input): a gang
+        running is announced once; its end is announced and its devices freed in the same
+        change. Returns the reports that name no run here (the backend removes those)."""
+        if not reports:
+            return []
+        async with self._changing:
+            if self._stale:
+                await self._reload()
+            try:
+                return await self._report(reports)
+            except Exception:
+                await self._reload()
+                raise
+
+    async def _report(self, reports: Sequence[RunReport]) -> list[RunReport]:
+        self._acts = []
+        out: list[OutMessage] = []
+        ended: list[RunKey] = []
+        announced: list[RunningJob] = []
+        unknown: list[RunReport] = []
+        now = utcnow()
+        for r in reports:
+            job = self.running.get(r.job_id)
+            if job is None or job.attempt != r.attempt:
+                unknown.append(r)
+            elif r.kind is ReportKind.RUNNING:
+                if not job.started:
+                    job.started, job.started_at = True, now
+                    announced.append(job)
+                    out.append(self._started(job, None))
+            else:
+                del self.running[job.job_id]
+                out.append(self._run_over(job, r, now, ended))
+        if out:
+            async with self.relay.transaction() as tx:
+                await self.store.write(
+                    tx.conn,
+                    started=[],
+                    ended=ended,
+                    epoch=None,
+                    tombstones=[],
+                    announced=announced,
+                )
+                tx.emit(out)
+            await self.backend.act(self._acts)
+        return unknown
+
+    def _run_over(
+        self, job: RunningJob, r: RunReport, now: datetime, ended: list[RunKey]
+    ) -> OutMessage:
+        """The event for a run the backend saw end, and the teardown of what is left of it."""
+        end = reported_end(job, r, self.cluster, now, self.time_scale)
+        log.info(
+            "run over", job_id=job.job_id, attempt=job.attempt, how=end.how, reason=r.reason_code
+        )
+        self._release(job, ended, end.how)
+        if r.kind is ReportKind.REFUSED:
+            self.metrics.refused.labels(r.reason_code or "refused").inc()
+        elif end.topic == topics.JOB_RUN_FAILED:
+            self.metrics.runs_failed.labels(r.reason_code or "unknown").inc()
+        self._acts.append(Teardown(job.key, end.how, grace_s=end.grace_s))
+        return self._emit(end.topic, end.event_type, end.payload, job.tenant, None)
 
     async def prune_tombstones(self, retention_s: float, now: float | None = None) -> int:
         """Forget tombstones older than `retention_s`, in the table and in memory; returns how

@@ -111,6 +111,20 @@ class NodeBook:
             use.memory_gb -= mem
         return True
 
+    def upsert(self, node: Node) -> None:
+        """A node as its cluster reports it now (the kubernetes backend's inventory): what is
+        booked on it stays booked; devices it no longer offers go from the end while free
+        (bookings name devices by index, so a booked one stays until released)."""
+        use = self.use.get(node.node_id)
+        if use is None:
+            self.use[node.node_id] = NodeUse(node)
+            return
+        devices = list(use.devices)
+        while len(devices) > node.accelerators and devices[-1] >= 1 - EPS:
+            devices.pop()
+        use.devices = devices + [1.0] * (node.accelerators - len(devices))
+        use.node = node
+
     def set_health(self, node_id: str, *, healthy: bool) -> bool:
         """Mark a node (un)healthy; False if it is not ours or nothing changed."""
         use = self.use.get(node_id)

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 
+from schemas import topics
 from schemas.events import (
     JobFinished,
     JobPreempted,
     JobProgress,
     Outcome,
+    Payload,
+    PlacementRefused,
     ReplicaProgress,
     RunFailed,
 )
+from services.executor.backend import ReportKind, RunReport
 from services.executor.simulated import RunEnd, kept_work_s, step_times
 from services.executor.store import RunningJob
 
@@ -111,3 +116,66 @@ def progress(
             for r, t in zip(replicas, times, strict=True)
         ],
     )
+
+
+@dataclass(frozen=True)
+class ReportedEnd:
+    """How a run a backend saw end is announced, and how what is left of it is torn down."""
+
+    topic: str
+    event_type: str
+    payload: Payload
+    how: str  # for the metrics and the teardown
+    grace_s: int | None  # None: the grace the job was granted
+
+
+def reported_end(
+    job: RunningJob, r: RunReport, cluster: str, now: datetime, time_scale: float
+) -> ReportedEnd:
+    """A run that never started is refused back to the scheduler; one whose workload vanished
+    is handed back; a job failure is a (retryable) run failure, unless its max runtime ran
+    out; success ends the job."""
+    ran = round(fleet_s(job.started_at, now, time_scale), 3) if job.started else 0.0
+    if r.kind is ReportKind.REFUSED:
+        refusal = PlacementRefused(
+            job_id=job.job_id,
+            attempt=job.attempt,
+            epoch=job.epoch,
+            cluster=cluster,
+            reason_code=r.reason_code or "refused",
+            message=r.message,
+        )
+        return ReportedEnd(topics.PLACEMENT_REFUSED, "PlacementRefused", refusal, "refused", 0)
+    if r.kind is ReportKind.LOST:
+        lost = preempted(
+            job,
+            cluster,
+            now,
+            time_scale,
+            reason_code=r.reason_code or "pods_lost",
+            message=r.message,
+            failed_nodes=list(r.nodes),
+        )
+        return ReportedEnd(topics.JOB_PREEMPTED, "JobPreempted", lost, "lost", 0)
+    if r.kind is ReportKind.FAILED and r.reason_code != "max_runtime_exceeded":
+        failed = RunFailed(
+            job_id=job.job_id,
+            attempt=job.attempt,
+            cluster=cluster,
+            reason_code=r.reason_code or "application_error",
+            message=r.message,
+            exit_code=r.exit_code,
+            ran_s=ran,
+        )
+        return ReportedEnd(topics.JOB_RUN_FAILED, "RunFailed", failed, "run_failed", None)
+    outcome = Outcome.SUCCEEDED if r.kind is ReportKind.SUCCEEDED else Outcome.FAILED
+    done = JobFinished(
+        job_id=job.job_id,
+        attempt=job.attempt,
+        outcome=outcome,
+        reason_code=r.reason_code,
+        message=r.message or None,
+        cluster=cluster,
+        ran_s=ran,
+    )
+    return ReportedEnd(topics.JOB_FINISHED, "JobFinished", done, outcome.value, None)

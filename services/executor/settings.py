@@ -1,5 +1,8 @@
 """Executor settings (env prefix QM_)."""
 
+from pathlib import Path
+from typing import Literal
+
 from services.common.settings import ServiceSettings
 
 
@@ -23,3 +26,36 @@ class ExecutorSettings(ServiceSettings):
     # `tombstone_prune_every_s`.
     tombstone_retention_s: float = 3600.0
     tombstone_prune_every_s: float = 300.0
+    # Which backend runs the work: the simulated fleet (the fleet file's nodes, accelerated
+    # time) or a Kubernetes cluster (kubernetes-asyncio; set QM_TIME_SCALE=1 with it).
+    executor_backend: Literal["simulated", "kubernetes"] = "simulated"
+    # --- the kubernetes backend (docs/executor.md, "The kubernetes backend") ---
+    # A kubeconfig file; unset: the pod's service account (in-cluster), else ~/.kube/config.
+    kube_config: Path | None = None
+    kube_context: str | None = None
+    kube_namespace: str = "quartermaster-jobs"
+    # A pod kube-scheduler finds no node for is refused back to the scheduler after this long.
+    kube_unschedulable_after_s: float = 120.0
+    # Node labels: accelerator type (values mapped through the policy's accelerator types),
+    # topology, price tier.
+    kube_accelerator_label: str = "quartermaster.io/accelerator"
+    kube_nvlink_label: str = "quartermaster.io/nvlink-domain"
+    kube_rack_label: str = "topology.kubernetes.io/rack"
+    kube_block_label: str = "topology.kubernetes.io/zone"
+    kube_price_tier_label: str = "quartermaster.io/price-tier"
+    # Extended resources: per accelerator-type prefix (others: kube_gpu_resource), and the
+    # cluster's sharing resource for fractions of a device, `kube_fraction_shares` per device.
+    kube_gpu_resource: str = "nvidia.com/gpu"
+    kube_accelerator_resources: dict[str, str] = {"TPU": "google.com/tpu"}
+    kube_fraction_resource: str = "nvidia.com/gpu.shared"
+    kube_fraction_shares: int = 4
+    kube_toleration_keys: tuple[str, ...] = ("nvidia.com/gpu", "google.com/tpu")
+    kube_default_image: str | None = None
+    kube_master_port: int = 29500
+    # A node the health service quarantines is cordoned and tainted with this key (empty: the
+    # backend leaves the node alone).
+    kube_quarantine_taint: str = "quartermaster.io/quarantined"
+    # A drop in a node's allocatable accelerators is reported on node.probe as this kind.
+    kube_device_loss_probe: str = "pcie_error"
+    # Failed API calls of an action are retried with backoff up to this long.
+    kube_retry_for_s: float = 60.0

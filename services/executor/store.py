@@ -51,6 +51,9 @@ class RunningJob:
     checkpoint_s: float = 10.0
     checkpoint_every_s: float | None = None
     checkpoint: Checkpoint | None = None
+    # job.started announced (a simulated run starts with its placement; a Kubernetes run when
+    # every pod of the gang runs).
+    started: bool = True
 
     @property
     def key(self) -> RunKey:
@@ -64,7 +67,7 @@ class RunningJob:
 _COLUMNS = (
     "job_id, attempt, epoch, replicas, tenant, started_at, ends_at, outcome, reason_code, "
     "message, exit_code, step_s, checkpoint_s, checkpoint_every_s, checkpoint_at, "
-    "checkpoint_done_at, checkpoint_stop_at"
+    "checkpoint_done_at, checkpoint_stop_at, started"
 )
 
 # A new attempt of a job takes over its row whole.
@@ -91,6 +94,7 @@ def _row(j: RunningJob) -> tuple[object, ...]:
         c.at if c else None,
         c.done_at if c else None,
         c.stop_at if c else None,
+        j.started,
     )
 
 
@@ -116,6 +120,7 @@ def _job(r: asyncpg.Record) -> RunningJob:
         checkpoint_s=r["checkpoint_s"],
         checkpoint_every_s=r["checkpoint_every_s"],
         checkpoint=checkpoint,
+        started=r["started"],
     )
 
 
@@ -144,6 +149,7 @@ class ExecutorStore:
         epoch: int | None,
         tombstones: list[str],
         checkpointed: Sequence[RunningJob] = (),
+        announced: Sequence[RunningJob] = (),
     ) -> None:
         """One batch's net change. A run started and ended within the batch is never written;
         an ended run is deleted by its attempt, so a new attempt of its job written in the same
@@ -163,8 +169,8 @@ class ExecutorStore:
         if rows:
             await conn.executemany(
                 f'INSERT INTO "{s}".allocations ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, '
-                "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17) ON CONFLICT (job_id) DO UPDATE "
-                f"SET {_REPLACE}",
+                "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) "
+                f"ON CONFLICT (job_id) DO UPDATE SET {_REPLACE}",
                 rows,
             )
         marks = [j for j in checkpointed if j.key not in gone and j.key not in begun]
@@ -177,6 +183,13 @@ class ExecutorStore:
                     for j in marks
                     if (c := j.checkpoint) is not None
                 ],
+            )
+        shown = [j for j in announced if j.key not in gone and j.key not in begun]
+        if shown:
+            await conn.executemany(
+                f'UPDATE "{s}".allocations SET started = true, started_at = $3 '
+                "WHERE job_id = $1 AND attempt = $2",
+                [(j.job_id, j.attempt, j.started_at) for j in shown],
             )
         if epoch is not None:
             await conn.execute(
