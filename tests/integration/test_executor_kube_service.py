@@ -4,6 +4,7 @@ starts, succeeds, and the cluster's Node objects are its inventory."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -56,7 +57,9 @@ async def test_a_gang_runs_on_the_cluster_through_the_log(
     def inventory(_topic: str, e: dict[str, Any]) -> bool:
         return bool(e["payload"].get("cluster") == CLUSTER)
 
-    async with running(create_app(settings)):
+    # Bounded: once, inside the whole suite, this test waited without end (not reproduced
+    # alone); a timeout fails it with the line it was waiting on instead of stalling the run.
+    async with asyncio.timeout(240), running(create_app(settings)):
         (capacity,) = await collect(bootstrap, (topics.CLUSTER_CAPACITY,), inventory, count=1)
         assert [n["node_id"] for n in capacity[1]["payload"]["nodes"]] == ["k-0", "k-1"]
         await produce(
