@@ -7,13 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from schemas import topics
 from schemas.envelope import Envelope
+from services.common.topics import ensure_topics
 from services.executor.app import create_app
 from services.executor.settings import ExecutorSettings
+from tests.conftest import private_kafka
 from tests.integration.conftest import running
 from tests.integration.kafka_tools import collect, produce
 from tests.integration.kube_rig import NAMESPACE, add_gpu_node, create_namespace, placement
@@ -25,9 +30,19 @@ CLUSTER = "tpu-slices"
 EPOCH = 1000
 
 
+@pytest.fixture
+async def own_kafka(tmp_path: Path) -> AsyncIterator[str]:
+    """A broker of its own: the placement's leader epoch (above every other test's) would
+    otherwise fence the other tests' schedulers, as the preemptor does for epochs it reads."""
+    with private_kafka(tmp_path / "kafka") as url:
+        await ensure_topics(url)
+        yield url
+
+
 async def test_a_gang_runs_on_the_cluster_through_the_log(
     service_env: dict[str, Any],
     kube_api: RunningDouble,  # noqa: F811
+    own_kafka: str,
     tmp_path: Path,
 ) -> None:
     double = kube_api.double
@@ -36,7 +51,7 @@ async def test_a_gang_runs_on_the_cluster_through_the_log(
     add_gpu_node(double, "k-1")
     double.auto_kubelet()
     settings = ExecutorSettings(
-        **service_env,
+        **{**service_env, "kafka_bootstrap": own_kafka},
         executor_cluster=CLUSTER,
         time_scale=1.0,
         executor_backend="kubernetes",
@@ -45,7 +60,7 @@ async def test_a_gang_runs_on_the_cluster_through_the_log(
         heartbeat_interval_s=0.2,
         capacity_interval_s=0.2,
     )
-    bootstrap = service_env["kafka_bootstrap"]
+    bootstrap = own_kafka
     job_id = f"kube-{uuid.uuid4().hex[:8]}"
     p = placement(job_id, ["k-0", "k-1"], gpus=8, epoch=EPOCH)
     p = p.model_copy(update={"cluster": CLUSTER})
