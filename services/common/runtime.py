@@ -61,8 +61,12 @@ class Runtime:
             await self._start()
         elif await self.singleton.try_acquire():
             # Free: start as any service does, then keep renewing in the background.
-            await self._start()
-            self._tasks.append(asyncio.create_task(self.singleton.hold(), name="lease"))
+            try:
+                await self._start()
+            except Exception:
+                await self._give_up_start(self.singleton)
+            else:
+                self._tasks.append(asyncio.create_task(self.singleton.hold(), name="lease"))
         else:
             self._tasks.append(asyncio.create_task(self._lead(self.singleton), name="lead"))
         self.ready = True
@@ -96,17 +100,23 @@ class Runtime:
         try:
             await self._start()
         except Exception:
-            # A store still away when the lease came back (Redis returns before PostgreSQL,
-            # say). Start afresh as a standby after a pause, as a supervisor would, rather than
-            # end the only instance; hooks that ran half-way are not run twice in one process.
-            log.exception(
-                "start-up failed; starting afresh as a standby", pause_s=self.start_retry_s
-            )
-            await singleton.release()
-            await asyncio.sleep(self.start_retry_s)
-            singleton.on_deposed()  # replaces the process (returns only outside a service)
+            await self._give_up_start(singleton)
             return
         await singleton.hold()
+
+    async def _give_up_start(self, singleton: Singleton) -> None:
+        """A store still away when the lease came (Redis back before PostgreSQL, say): let
+        the lease go and start afresh as a standby after a pause, as a supervisor would,
+        rather than end the only instance; hooks that ran half-way are not run twice in one
+        process. Called from an except block."""
+        log.exception("start-up failed; starting afresh", pause_s=self.start_retry_s)
+        await singleton.release()
+
+        async def afresh() -> None:
+            await asyncio.sleep(self.start_retry_s)
+            singleton.on_deposed()  # replaces the process (returns only outside a service)
+
+        self._tasks.append(asyncio.create_task(afresh(), name="afresh"))
 
     async def _guard(self, loop: Callable[[], Awaitable[None]]) -> None:
         """A background loop that dies is restarted after a pause, never silently lost. A

@@ -148,3 +148,31 @@ async def test_a_start_up_that_fails_after_the_lease_starts_afresh_as_a_standby(
         assert not singleton.leading
         assert await singleton.lease.current_holder() is None  # let go at once
     await redis.aclose()
+
+
+async def test_a_start_up_that_fails_with_the_lease_free_also_starts_afresh(
+    redis_url: str,
+) -> None:
+    """The same when the lease was free at start (no other instance), not only after waiting."""
+    from fastapi import FastAPI
+
+    from services.common.runtime import Runtime
+    from services.common.settings import ServiceSettings
+
+    redis = Redis.from_url(redis_url)
+    service = f"test-{uuid.uuid4().hex[:8]}"
+    restarted: list[bool] = []
+    singleton = Singleton(
+        redis, service, ttl_s=0.6, holder="me", on_deposed=lambda: restarted.append(True)
+    )
+    runtime = Runtime(service, ServiceSettings(), singleton=singleton, start_retry_s=0.0)
+
+    @runtime.on_startup
+    async def store_away() -> None:
+        raise ConnectionRefusedError("PostgreSQL is still away")
+
+    async with runtime.lifespan(FastAPI()):
+        await until(lambda: restarted == [True])
+        assert not singleton.leading
+        assert await singleton.lease.current_holder() is None
+    await redis.aclose()
