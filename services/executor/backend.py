@@ -7,7 +7,7 @@ which the executor judges like any other input (`Executor.report`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
@@ -107,13 +107,9 @@ class SimulatedBackend:
 
     def begin(self, p: PlacementDecided, now: datetime) -> RunningJob:
         run = simulate(p.spec, self.default_duration_s, p.attempt, p.replicas)
-        return RunningJob(
-            job_id=p.job_id,
-            attempt=p.attempt,
-            epoch=p.epoch,
-            tenant=p.spec.tenant,
-            replicas=p.replicas,
-            started_at=now,
+        return replace(
+            open_run(p, now),
+            started=True,
             ends_at=now + timedelta(seconds=run.virtual_s / self.time_scale),
             end=run.end,
             reason_code=run.reason_code,
