@@ -34,7 +34,7 @@ from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.random_faults import RandomFaults
 from services.executor.runs import progress
-from services.executor.settings import ExecutorSettings
+from services.executor.settings import ExecutorSettings, with_fleet_backend
 from services.executor.store import MIGRATIONS, ExecutorStore, schema_for
 
 NAME = "executor"
@@ -42,12 +42,17 @@ NAME = "executor"
 
 def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     settings = settings or ExecutorSettings()
+    fleet_doc = read_yaml(settings.fleet_file)
+    try:
+        settings = with_fleet_backend(settings, fleet_doc, settings.fleet_file)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     cluster_name = settings.executor_cluster
     producer = f"{NAME}/{cluster_name}"
     runtime = Runtime(producer, settings)
     broker = make_broker(settings, producer, runtime.registry)
     policy = load_policy(settings.policy_file)
-    clusters, all_nodes = load_fleet(read_yaml(settings.fleet_file), policy.accelerator_types)
+    clusters, all_nodes = load_fleet(fleet_doc, policy.accelerator_types)
     if cluster_name not in clusters:
         raise SystemExit(
             f"cluster {cluster_name!r} is not in {settings.fleet_file} "

@@ -129,12 +129,17 @@ class ReportedEnd:
     grace_s: int | None  # None: the grace the job was granted
 
 
+# Failures reported by a backend that end the job instead of being retried: the max runtime
+# ran out, or the job as specified cannot run on the cluster (the API refused its pod).
+FINAL_FAILURES = frozenset({"max_runtime_exceeded", "invalid_pod"})
+
+
 def reported_end(
     job: RunningJob, r: RunReport, cluster: str, now: datetime, time_scale: float
 ) -> ReportedEnd:
     """A run that never started is refused back to the scheduler; one whose workload vanished
-    is handed back; a job failure is a (retryable) run failure, unless its max runtime ran
-    out; success ends the job."""
+    is handed back; a job failure is a (retryable) run failure, unless it is final (its max
+    runtime ran out, or its pod is invalid); success ends the job."""
     ran = round(fleet_s(job.started_at, now, time_scale), 3) if job.started else 0.0
     if r.kind is ReportKind.REFUSED:
         refusal = PlacementRefused(
@@ -157,7 +162,7 @@ def reported_end(
             failed_nodes=list(r.nodes),
         )
         return ReportedEnd(topics.JOB_PREEMPTED, "JobPreempted", lost, "lost", 0)
-    if r.kind is ReportKind.FAILED and r.reason_code != "max_runtime_exceeded":
+    if r.kind is ReportKind.FAILED and r.reason_code not in FINAL_FAILURES:
         failed = RunFailed(
             job_id=job.job_id,
             attempt=job.attempt,

@@ -1,7 +1,10 @@
 """Executor settings (env prefix QM_)."""
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import ValidationError
 
 from services.common.settings import ServiceSettings
 
@@ -59,3 +62,47 @@ class ExecutorSettings(ServiceSettings):
     kube_device_loss_probe: str = "pcie_error"
     # Failed API calls of an action are retried with backoff up to this long.
     kube_retry_for_s: float = 60.0
+
+
+# A cluster's `backend:` entry in the fleet file (docs/executor.md) and the settings it sets.
+_FLEET_BACKEND_KEYS = {
+    "kind": "executor_backend",
+    "kubeconfig": "kube_config",
+    "context": "kube_context",
+    "namespace": "kube_namespace",
+}
+
+
+def with_fleet_backend(
+    settings: ExecutorSettings, fleet: Mapping[str, Any], fleet_file: Path
+) -> ExecutorSettings:
+    """The settings with what the fleet file says of this cluster's backend filled in; what the
+    environment set wins. A relative kubeconfig path is relative to the fleet file."""
+    entry = next(
+        (
+            c
+            for c in fleet.get("clusters") or []
+            if isinstance(c, Mapping) and c.get("name") == settings.executor_cluster
+        ),
+        None,
+    )
+    raw = entry.get("backend") if entry is not None else None
+    if raw is None:
+        return settings
+    where = f"{fleet_file}: cluster {settings.executor_cluster!r}: backend"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping such as {{kind: kubernetes, ...}}")
+    unknown = sorted(set(raw) - set(_FLEET_BACKEND_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(_FLEET_BACKEND_KEYS)}")
+    update: dict[str, Any] = {}
+    for key, field in _FLEET_BACKEND_KEYS.items():
+        if key in raw and field not in settings.model_fields_set:
+            value = raw[key]
+            if field == "kube_config":
+                value = fleet_file.parent / Path(str(value))
+            update[field] = value
+    try:
+        return ExecutorSettings.model_validate({**settings.model_dump(), **update})
+    except ValidationError as error:
+        raise ValueError(f"{where}: {error}") from error

@@ -29,6 +29,12 @@ FINISHED_MEMORY = 500_000
 # After the preemptor declines to preempt a run, it is no victim for this long (wall seconds),
 # so the next cycle does not ask for the same run again at once.
 DECLINED_PROTECTION_S = 30.0
+# A job refused by executors more than once waits this long (wall seconds) before it is placed
+# again, doubling per refusal up to the cap. The first refusal is retried at once: it is
+# usually a view one cycle old.
+REFUSAL_BACKOFF_S = 0.5
+REFUSAL_BACKOFF_CAP_S = 30.0
+STALE_EPOCH = "stale_epoch"  # the executor's reason for a deposed leader's placement
 
 
 class Tracked(dict[JobId, _V]):
@@ -317,11 +323,14 @@ class SchedulerState:
         self.protected[job_id] = at + DECLINED_PROTECTION_S
         self.dirty = True
 
-    def on_refused(self, event: PlacementRefused) -> None:
+    def on_refused(self, event: PlacementRefused, at: float | None = None) -> None:
         """An executor would not run this placement. It voids that placement only (attempt and
-        epoch): two leaders can place one attempt, and the other copy may be the run."""
+        epoch): two leaders can place one attempt, and the other copy may be the run. A job
+        refused again is held back (from `at`, the refusal's time) for a time that doubles with
+        each refusal, so that a placement the cluster keeps refusing is not retried in a loop."""
         job_id = JobId(event.job_id)
-        self.refused.setdefault(job_id, set()).add((event.attempt, event.epoch))
+        refusals = self.refused.setdefault(job_id, set())
+        refusals.add((event.attempt, event.epoch))
         if (
             self.running_attempt.get(job_id) != event.attempt
             or self.running_epoch.get(job_id) != event.epoch
@@ -333,6 +342,9 @@ class SchedulerState:
         self.preempting.pop(job_id, None)
         if job_id not in self.finished:
             self.pending[job_id] = alloc.job
+            if at is not None and len(refusals) > 1 and event.reason_code != STALE_EPOCH:
+                wait = min(REFUSAL_BACKOFF_CAP_S, REFUSAL_BACKOFF_S * 2 ** (len(refusals) - 2))
+                self.held[job_id] = max(self.held.get(job_id, 0.0), at + wait)
         self.dirty = True
 
     def on_finished(self, event: JobFinished) -> None:

@@ -130,14 +130,20 @@ async def test_an_unschedulable_pod_is_refused_back_to_the_scheduler(
         assert r.book.by_job == {} and "stuck" not in r.executor.running
 
 
-async def test_an_invalid_pod_is_refused(kube_api: RunningDouble) -> None:  # noqa: F811
+async def test_an_invalid_pod_fails_the_job_with_the_apis_reason(
+    kube_api: RunningDouble,  # noqa: F811
+) -> None:
+    """Not a refusal: placed again, the same spec would be refused again (a loop)."""
     double = kube_api.double
     create_namespace(double)
     add_gpu_node(double, "gpu-0")
     async with rig(kube_api) as r:
         await r.place(placement("noimage", ["gpu-0"], image=None))
-        refused = await r.wait_event("PlacementRefused", "noimage")
-        assert refused.payload["reason_code"] == "invalid_pod"
+        finished = await r.wait_event("JobFinished", "noimage")
+        assert finished.payload["outcome"] == "failed"
+        assert finished.payload["reason_code"] == "invalid_pod"
+        assert "image" in finished.payload["message"], finished.payload
+        assert not r.events("PlacementRefused")
         assert r.book.by_job == {}
 
 

@@ -41,6 +41,9 @@ from services.executor.store import RunKey, RunningJob
 
 log = structlog.get_logger()
 
+# A run failure that ends the job: running it again would fail the same way.
+INVALID_POD = "invalid_pod"
+
 Obj = dict[str, Any]
 
 
@@ -114,11 +117,18 @@ class KubeBackend:
                 await self._retrying(action)
             except Permanent as error:
                 if isinstance(action, Launch):
+                    # The job as specified can never become a valid pod here (no image, a
+                    # bad command): it fails with the API's words rather than being placed
+                    # and refused again and again.
                     p = action.placement
                     await self.watch.report(
                         [
                             RunReport(
-                                p.job_id, p.attempt, ReportKind.REFUSED, "invalid_pod", str(error)
+                                p.job_id,
+                                p.attempt,
+                                ReportKind.FAILED,
+                                INVALID_POD,
+                                f"the cluster's API refused the job's pod: {error}",
                             )
                         ]
                     )

@@ -315,3 +315,29 @@ def test_a_placement_read_after_its_jobs_end_leaves_nothing_behind() -> None:
     state.on_finished(JobFinished(job_id="j1", outcome=Outcome.SUCCEEDED, attempt=1))
     state.on_placed(placed("j1"), 1.0)
     assert state.attempts == {} and state.running == {} and state.pending == {}
+
+
+def test_a_job_refused_again_is_held_back_longer_each_time() -> None:
+    """The first refusal is retried at once; each later one holds the job back twice as long
+    (from the refusal's time), so a cluster that keeps refusing it sees no place/refuse loop."""
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    waits = []
+    for attempt in range(1, 6):
+        state.on_placed(placed("j1", attempt=attempt), 100.0)
+        refusal = refused("j1", attempt=attempt, epoch=1)
+        refusal.reason_code = "unschedulable"
+        state.on_refused(refusal, 100.0)
+        assert list(state.pending) == ["j1"]
+        waits.append(state.held.get("j1", 100.0) - 100.0)  # type: ignore[call-overload]
+    assert waits == [0.0, 0.5, 1.0, 2.0, 4.0]
+    assert state.backing_off(103.0) == {"j1": 104.0} and state.backing_off(104.0) == {}
+
+
+def test_a_deposed_leaders_refusals_hold_nothing_back() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    for attempt in (1, 2):
+        state.on_placed(placed("j1", attempt=attempt), 100.0)
+        state.on_refused(refused("j1", attempt=attempt, epoch=1), 100.0)
+    assert "j1" not in state.held
