@@ -212,7 +212,9 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         )
         await nodes_now.load()
         inventory.append(nodes_now)
-        return KubeBackend(api, kube_options(settings), hostnames=nodes_now.hostname)
+        return KubeBackend(
+            api, kube_options(settings), hostnames=nodes_now.hostname, pinned=nodes_now.pinned
+        )
 
     app = create_http_app(runtime)
     app.include_router(fault_router(injector, outage, random_mode))

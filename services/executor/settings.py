@@ -55,6 +55,16 @@ class ExecutorSettings(ServiceSettings):
     kube_toleration_keys: tuple[str, ...] = ("nvidia.com/gpu", "google.com/tpu")
     kube_default_image: str | None = None
     kube_master_port: int = 29500
+    # Node labels a pod also selects on, with the chosen node's values: GKE admits a TPU pod
+    # only with the slice's accelerator and topology selectors.
+    kube_pinned_labels: tuple[str, ...] = (
+        "cloud.google.com/gke-tpu-accelerator",
+        "cloud.google.com/gke-tpu-topology",
+    )
+    # The job's priority class -> the cluster's PriorityClass name (unset: none on the pods).
+    kube_priority_classes: dict[str, str] = {}
+    # A PodDisruptionBudget per gang, so a node drain waits rather than breaking a gang.
+    kube_gang_disruption_budget: bool = True
     # A node the health service quarantines is cordoned and tainted with this key (empty: the
     # backend leaves the node alone).
     kube_quarantine_taint: str = "quartermaster.io/quarantined"

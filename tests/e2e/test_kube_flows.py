@@ -279,6 +279,17 @@ def succeed(ks: KubeStack, pods: list[Obj]) -> None:
         ks.hook("pod_succeeded", NAMESPACE, pod["metadata"]["name"])
 
 
+def budgets(ks: KubeStack, job_id: str) -> list[Obj]:
+    def mine() -> list[Obj]:
+        return [
+            copy.deepcopy(b)
+            for b in ks.kube.double.objects("poddisruptionbudgets", NAMESPACE)
+            if (b["metadata"].get("annotations") or {}).get(JOB_ANNOTATION) == job_id
+        ]
+
+    return ks.kube.call(mine)
+
+
 def env_of(pod: Obj) -> dict[str, str]:
     container = pod["spec"]["containers"][0]
     return {e["name"]: e.get("value", "") for e in container.get("env") or []}
@@ -338,9 +349,14 @@ async def test_a_gang_starts_together_on_distinct_nodes_and_succeeds(
     status = await wait_state(client, job_id, {"running"})
     assert sorted(status["nodes"]) == sorted(node_of(p) for p in pods)
 
+    # A node drain must not break the gang one member at a time: its budget keeps all.
+    (budget,) = budgets(ks, job_id)
+    assert budget["spec"]["minAvailable"] == 2
+
     succeed(ks, pods)
     done = await wait_state(client, job_id, {"succeeded", "failed", "canceled"})
     assert done["state"] == "succeeded", done
+    await until("the gang's budget deleted", lambda: not budgets(ks, job_id))
 
 
 async def test_a_failed_member_tears_the_gang_down_and_fails_the_job(

@@ -52,6 +52,7 @@ EXECUTOR = ("quartermaster", "executor")
 EXECUTOR_SCOPE = {
     "pods": {"create", "get", "list", "watch", "patch", "delete"},
     "services": {"create", "get", "list", "delete"},
+    "poddisruptionbudgets": {"create", "get", "delete"},
     "nodes": {"get", "list", "watch", "patch"},
     "events": {"create"},
 }
@@ -67,6 +68,7 @@ WORKLOAD_RESOURCES = {
     "jobs",
     "cronjobs",
     "persistentvolumeclaims",
+    "poddisruptionbudgets",
 }
 SENSITIVE_RESOURCES = {
     "secrets",

@@ -10,14 +10,14 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import structlog
-from kubernetes_asyncio.client import ApiClient, CoreV1Api
+from kubernetes_asyncio.client import ApiClient, CoreV1Api, PolicyV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from schemas.events import PlacementDecided
@@ -34,7 +34,12 @@ from services.executor.backend import (
 )
 from services.executor.kube import names
 from services.executor.kube.names import GangNames, gang_selector
-from services.executor.kube.pods import PodOptions, build_pod, build_service
+from services.executor.kube.pods import (
+    PodOptions,
+    build_disruption_budget,
+    build_pod,
+    build_service,
+)
 from services.executor.kube.podwatch import OVER, Gang, PodWatch, Sink, Ungate, version_number
 from services.executor.kube.status import GangPhase
 from services.executor.store import RunKey, RunningJob
@@ -66,8 +71,11 @@ class KubeBackend:
         options: KubeOptions,
         hostnames: Callable[[str], str] = lambda node_id: node_id,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        pinned: Callable[[str], Mapping[str, str]] = lambda node_id: {},
     ) -> None:
         self.api = api
+        self.policy: Any = PolicyV1Api(api)
+        self.pinned = pinned
         # Bodies go as plain dicts and lists come back raw: typed as Any on purpose.
         self.core: Any = CoreV1Api(api)
         self.options = options
@@ -190,8 +198,13 @@ class KubeBackend:
         await _created(
             self.core.create_namespaced_service(self.namespace, build_service(p, options))
         )
+        if options.gang_disruption_budget:
+            budget = build_disruption_budget(p, options)
+            await _created(
+                self.policy.create_namespaced_pod_disruption_budget(self.namespace, budget)
+            )
         for r in sorted(p.replicas, key=lambda r: r.replica):
-            pod = build_pod(p, r, self.hostnames(r.node_id), options)
+            pod = build_pod(p, r, self.hostnames(r.node_id), options, self.pinned(r.node_id))
             await _created(self.core.create_namespaced_pod(self.namespace, pod))
         versions = [
             await self._ungate(GangNames(p.job_id, p.attempt).pod(r.replica)) for r in p.replicas
@@ -236,6 +249,11 @@ class KubeBackend:
             await self.core.delete_namespaced_service(
                 GangNames(job_id, attempt).service, self.namespace
             )
+        if self.options.pods.gang_disruption_budget:
+            with contextlib.suppress(ApiException):
+                await self.policy.delete_namespaced_pod_disruption_budget(
+                    GangNames(job_id, attempt).service, self.namespace
+                )
         log.info("gang deleted", job_id=job_id, attempt=attempt, reason=t.reason, grace_s=grace)
 
     async def _signal(self, s: SignalCheckpoint) -> None:

@@ -45,6 +45,8 @@ def kube_options(settings: ExecutorSettings) -> KubeOptions:
         toleration_keys=tuple(settings.kube_toleration_keys),
         default_image=settings.kube_default_image,
         master_port=settings.kube_master_port,
+        priority_classes=dict(settings.kube_priority_classes),
+        gang_disruption_budget=settings.kube_gang_disruption_budget,
     )
     return KubeOptions(
         pods=pods,
@@ -64,6 +66,7 @@ def node_labels(settings: ExecutorSettings) -> NodeLabels:
         gpu_resource=settings.kube_gpu_resource,
         accelerator_resources=dict(settings.kube_accelerator_resources),
         quarantine_taint=settings.kube_quarantine_taint,
+        pinned=tuple(settings.kube_pinned_labels),
     )
 
 

@@ -52,6 +52,11 @@ class KubeInventory:
         view = self.views.get(node_id)
         return view.hostname if view is not None else node_id
 
+    def pinned(self, node_id: str) -> Mapping[str, str]:
+        """More of the node's labels its pods select on (a TPU slice's topology)."""
+        view = self.views.get(node_id)
+        return view.pinned if view is not None else {}
+
     def nodes(self) -> dict[str, Node]:
         """The accelerator nodes as the scheduler should see them (cluster.capacity)."""
         return {name: v.node for name, v in sorted(self.views.items()) if v.node is not None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -56,6 +56,8 @@ class NodeLabels:
     gpu_resource: str = "nvidia.com/gpu"
     accelerator_resources: Mapping[str, str] | None = None
     quarantine_taint: str = ""
+    # Labels a node's pods also select on, with the node's values (when it has them).
+    pinned: tuple[str, ...] = ()
 
     def resource(self, accelerator_type: str) -> str:
         for prefix, name in (self.accelerator_resources or {}).items():
@@ -74,6 +76,7 @@ class NodeView:
     ready: bool
     cordoned: bool
     quarantined: bool
+    pinned: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def devices(self) -> int:
@@ -121,7 +124,9 @@ def node_view(
             price_tier=tier,
             healthy=ready and not cordoned and not quarantined,
         )
-    return NodeView(name, own.get(HOSTNAME_LABEL, name), node, ready, cordoned, quarantined)
+    pinned = {k: str(own[k]) for k in labels.pinned if k in own}
+    hostname = own.get(HOSTNAME_LABEL, name)
+    return NodeView(name, hostname, node, ready, cordoned, quarantined, pinned)
 
 
 def lost_devices(before: NodeView | None, now: NodeView) -> int:

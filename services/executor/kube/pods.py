@@ -38,6 +38,12 @@ class PodOptions:
     default_image: str | None = None
     master_port: int = 29500
     container: str = "main"
+    # The job's priority class -> the cluster's PriorityClass for its pods (none: unset), so
+    # the cluster's own scheduler orders and preempts them as Quartermaster does.
+    priority_classes: Mapping[str, str] = field(default_factory=dict)
+    # A PodDisruptionBudget per gang (minAvailable = every replica): a voluntary eviction (a
+    # node drain) waits instead of breaking a gang one member at a time.
+    gang_disruption_budget: bool = True
 
 
 def accelerator_resource(accelerator_type: str, options: PodOptions) -> str:
@@ -114,9 +120,17 @@ def _env(
     return [{"name": k, "value": v} for k, v in values.items()]
 
 
-def build_pod(p: PlacementDecided, r: ReplicaAssignment, hostname: str, options: PodOptions) -> Obj:
+def build_pod(
+    p: PlacementDecided,
+    r: ReplicaAssignment,
+    hostname: str,
+    options: PodOptions,
+    pinned: Mapping[str, str] | None = None,
+) -> Obj:
     """The pod of replica `r`, pinned to the node whose `kubernetes.io/hostname` label is
-    `hostname` (kube-scheduler still checks fit and taints), behind the gang's gate."""
+    `hostname` (kube-scheduler still checks fit and taints), behind the gang's gate. `pinned`:
+    more of that node's labels to select on (a TPU slice's accelerator and topology labels,
+    which the cluster's admission expects on TPU pods)."""
     gang = GangNames(p.job_id, p.attempt)
     container: Obj = {
         "name": options.container,
@@ -133,7 +147,7 @@ def build_pod(p: PlacementDecided, r: ReplicaAssignment, hostname: str, options:
         "restartPolicy": "Never",
         "hostname": gang.hostname(r.replica),
         "subdomain": gang.service,
-        "nodeSelector": {HOSTNAME_LABEL: hostname},
+        "nodeSelector": {**(pinned or {}), HOSTNAME_LABEL: hostname},
         "schedulingGates": [{"name": names.GATE}],
         "terminationGracePeriodSeconds": grace_s(p),
         "tolerations": [
@@ -154,6 +168,9 @@ def build_pod(p: PlacementDecided, r: ReplicaAssignment, hostname: str, options:
     }
     if p.spec.max_runtime_s is not None:
         spec["activeDeadlineSeconds"] = math.ceil(p.spec.max_runtime_s)
+    priority_class = options.priority_classes.get(p.spec.priority_class or "")
+    if priority_class:
+        spec["priorityClassName"] = priority_class
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -167,24 +184,44 @@ def build_pod(p: PlacementDecided, r: ReplicaAssignment, hostname: str, options:
     }
 
 
+def _gang_selector(p: PlacementDecided) -> dict[str, str]:
+    own = labels(p)
+    return {k: own[k] for k in (names.MANAGED_BY, names.CLUSTER, names.JOB, names.ATTEMPT)}
+
+
+def build_disruption_budget(p: PlacementDecided, options: PodOptions) -> Obj:
+    """The gang's PodDisruptionBudget: no voluntary eviction while every member is needed.
+    Quartermaster's own stops delete pods (not evictions) and are not held by it."""
+    gang = GangNames(p.job_id, p.attempt)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": gang.service,
+            "namespace": options.namespace,
+            "labels": labels(p),
+            "annotations": raw_values(p),
+        },
+        "spec": {"minAvailable": len(p.replicas), "selector": {"matchLabels": _gang_selector(p)}},
+    }
+
+
 def build_service(p: PlacementDecided, options: PodOptions) -> Obj:
     """The gang's headless Service: stable DNS names for the replicas, ready or not."""
     gang = GangNames(p.job_id, p.attempt)
-    own = labels(p)
-    selector = {k: own[k] for k in (names.MANAGED_BY, names.CLUSTER, names.JOB, names.ATTEMPT)}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {
             "name": gang.service,
             "namespace": options.namespace,
-            "labels": own,
+            "labels": labels(p),
             "annotations": raw_values(p),
         },
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": selector,
+            "selector": _gang_selector(p),
             "ports": [{"name": "master", "port": options.master_port}],
         },
     }

@@ -14,7 +14,12 @@ from schemas.job import JobSpec
 from services.executor.kube import names
 from services.executor.kube.names import GangNames, label_value
 from services.executor.kube.nodes import NodeLabels, lost_devices, node_view, quantity
-from services.executor.kube.pods import PodOptions, build_pod, build_service
+from services.executor.kube.pods import (
+    PodOptions,
+    build_disruption_budget,
+    build_pod,
+    build_service,
+)
 from services.executor.kube.status import GangPhase, gang_state, pod_failure
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -161,6 +166,40 @@ def test_the_gang_service_is_headless_and_selects_the_attempt() -> None:
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"][names.ATTEMPT] == "2"
     assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_a_tpu_slice_pod_selects_its_nodes_slice_labels_and_its_priority_class() -> None:
+    p = placement(gpus=4, accelerator="TPU-v5e", priority_class="critical")
+    slice_labels = {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+    }
+    options = PodOptions(priority_classes={"critical": "qm-critical"})
+    built = build_pod(p, p.replicas[0], "host-n0", options, slice_labels)
+    assert built["spec"]["nodeSelector"] == {**slice_labels, "kubernetes.io/hostname": "host-n0"}
+    assert built["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == "4"
+    assert built["spec"]["priorityClassName"] == "qm-critical"
+    # A class the cluster has no PriorityClass for leaves the pod's priority to the cluster.
+    plain = build_pod(placement(), placement().replicas[0], "host-n0", options)
+    assert "priorityClassName" not in plain["spec"]
+    # A pinned label cannot move the pod off its node.
+    moved = build_pod(p, p.replicas[0], "host-n0", options, {"kubernetes.io/hostname": "x"})
+    assert moved["spec"]["nodeSelector"]["kubernetes.io/hostname"] == "host-n0"
+
+
+def test_the_gang_disruption_budget_keeps_every_member() -> None:
+    p = placement(replicas=3)
+    budget = build_disruption_budget(p, PodOptions(namespace="jobs"))
+    service = build_service(p, PodOptions(namespace="jobs"))
+    assert budget["metadata"]["name"] == service["metadata"]["name"]
+    assert budget["spec"]["minAvailable"] == 3
+    assert budget["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+
+
+def test_a_node_view_keeps_the_pinned_labels_it_has() -> None:
+    labels = NodeLabels(pinned=("cloud.google.com/gke-tpu-topology", "absent/label"))
+    view = node_view(node(labels={"cloud.google.com/gke-tpu-topology": "2x4"}), "c", labels, TYPES)
+    assert view.pinned == {"cloud.google.com/gke-tpu-topology": "2x4"}
 
 
 # --- status -----------------------------------------------------------------------------------
