@@ -206,3 +206,23 @@ async def test_max_runtime_ends_the_job(kube_api: RunningDouble) -> None:  # noq
         finished = await r.wait_event("JobFinished", "slow")
         assert finished.payload["outcome"] == "failed"
         assert finished.payload["reason_code"] == "max_runtime_exceeded"
+
+
+async def test_a_gang_runs_without_its_budget_when_the_role_forbids_one(
+    kube_api: RunningDouble,  # noqa: F811
+) -> None:
+    """The disruption budget protects a gang; a cluster whose role does not grant it (403)
+    still runs the gang, and deleting it later is no error either."""
+    double = kube_api.double
+    create_namespace(double)
+    add_gpu_node(double, "gpu-0")
+    double.inject_fault("create", "poddisruptionbudgets", status=403, times=None)
+    double.auto_kubelet()
+    async with rig(kube_api) as r:
+        await r.place(placement("job-1", ["gpu-0"], gpus=2))
+        await r.wait_event("JobStarted", "job-1")
+        assert double.objects("poddisruptionbudgets", NAMESPACE) == []
+        (pod,) = r.pods("job-1")
+        double.pod_succeeded(NAMESPACE, pod["metadata"]["name"])
+        finished = await r.wait_event("JobFinished", "job-1")
+        assert finished.payload["outcome"] == "succeeded"

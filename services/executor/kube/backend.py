@@ -199,10 +199,7 @@ class KubeBackend:
             self.core.create_namespaced_service(self.namespace, build_service(p, options))
         )
         if options.gang_disruption_budget:
-            budget = build_disruption_budget(p, options)
-            await _created(
-                self.policy.create_namespaced_pod_disruption_budget(self.namespace, budget)
-            )
+            await self._protect(p)
         for r in sorted(p.replicas, key=lambda r: r.replica):
             pod = build_pod(p, r, self.hostnames(r.node_id), options, self.pinned(r.node_id))
             await _created(self.core.create_namespaced_pod(self.namespace, pod))
@@ -214,6 +211,25 @@ class KubeBackend:
         gang.complete_at = max(versions, default=0)
         gang.complete = True
         log.info("gang created", job_id=p.job_id, attempt=p.attempt, replicas=len(p.replicas))
+
+    async def _protect(self, p: PlacementDecided) -> None:
+        """The gang's disruption budget. A protection, not a condition of running: a cluster
+        whose role does not grant it (403) or that refuses it runs the gang without one."""
+        budget = build_disruption_budget(p, self.options.pods)
+        try:
+            await _created(
+                self.policy.create_namespaced_pod_disruption_budget(self.namespace, budget)
+            )
+        except ApiException as error:
+            if error.status >= 500 or error.status == 429:
+                raise  # retried with the launch
+            log.warning(
+                "gang runs without a disruption budget",
+                job_id=p.job_id,
+                attempt=p.attempt,
+                status=error.status,
+                reason=_reason(error),
+            )
 
     async def _ungate(self, pod: str) -> int:
         """Lift the gang's gate from `pod`; the resourceVersion the pod has then."""
