@@ -17,6 +17,13 @@ HTTP hooks, produces placements itself (no scheduler) and reads `job.started` ba
    double's `pod_succeeded` hook), the bench waits for job.finished and for the executor to
    delete the pods, so each round starts on free nodes. The pods of phase 1 stay Running.
 
+Figures beyond the two BENCH.md keys: `pods_per_s_10_90` (between the 10th and 90th percentile
+starts), `placement_p50_ms`/`_p99_ms`/`_max_ms` (phase 1, produced -> job.started seen; in a
+burst mostly queueing), `to_running_p50_ms` (produced -> the executor's `started_at`),
+`pods_created_per_s` and `gang16_created_s` (produced -> the executor's "gang created" log line:
+every pod created and ungated), `gang16_finish_s` (the last `pod_succeeded` hook answered ->
+job.finished seen), `cpu_s_per_1000_pods` (phase 1, per process, from /proc), RSS in MB.
+
 Servers: QM_KAFKA_BOOTSTRAP, QM_DATABASE_URL (a server URL: a fresh database is created on it
 and dropped after), QM_REDIS_URL when set; else a Tansu broker and redis-server of its own and
 the local PostgreSQL (else the embedded one).
@@ -105,6 +112,22 @@ def memory_mb(pid: int | None) -> dict[str, float]:
             key, _, value = line.partition(":")
             if key in ("VmRSS", "VmHWM"):
                 out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def created_at(log: Path, jobs: set[str]) -> dict[str, float]:
+    """job -> wall time of the executor's "gang created" log line (every pod created and its
+    gate lifted), from its JSON log; empty if the log says nothing of the kind."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"gang created"' not in line:
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                entry = json.loads(line)
+                if entry.get("event") == "gang created" and entry.get("job_id") in jobs:
+                    stamp = datetime.fromisoformat(entry["timestamp"]).timestamp()
+                    out.setdefault(entry["job_id"], stamp)
     return out
 
 
@@ -480,7 +503,8 @@ async def bench(run: Run, double_url: str, double_proc: Proc) -> dict[str, Any]:
         t = time.perf_counter()
         await produce(producer, run.cluster, [placement(warm, run.cluster, ["w-0"], 1, args.epoch)])
         await until(lambda: warm in observer.started, "the warm-up job to start", {warm})
-        print(f"warm-up: job.started after {observer.started[warm] - t:.2f} s (includes join)")
+        took = observer.started[warm] - t
+        print(f"warm-up: job.started after {took:.2f} s (the first: consumer join, connections)")
         await asyncio.sleep(1.0)
 
         # Phase 1: a burst of single-pod placements.
@@ -492,14 +516,13 @@ async def bench(run: Run, double_url: str, double_proc: Proc) -> dict[str, Any]:
         payload = [encoded(p) for p in burst[:1]]  # the size, for the setup line
         cpu0 = {"executor": cpu_s(executor.pid), "double": cpu_s(double_proc.pid)}
         cpu0["broker"] = cpu_s(run.broker_pid)
-        wall0 = time.time()
         profile = (
             Profiler({"executor": executor.pid, "double": double_proc.pid}, args.profile)
             if args.profile
             else contextlib.nullcontext()
         )
         with profile:
-            t0 = time.perf_counter()
+            wall0, t0 = time.time(), time.perf_counter()
             sent = await produce(producer, run.cluster, burst)
             produced_s = time.perf_counter() - t0
             await until(
@@ -546,11 +569,13 @@ async def bench(run: Run, double_url: str, double_proc: Proc) -> dict[str, Any]:
 
         # Phase 2: a 16-replica gang, round after round on the same freed nodes.
         starts: list[float] = []
+        sent_wall: dict[str, float] = {}
         finishes: list[float] = []
         for k in range(args.rounds):
             job = f"kb-{run.run_id}-g{k}"
             p = placement(job, run.cluster, g_nodes, GANG_GPUS, args.epoch)
             c0 = cpu_s(executor.pid)
+            sent_wall[job] = time.time()
             sent_g = await produce(producer, run.cluster, [p])
             await until(partial(contains, observer.started, job), f"gang {job} to start", {job})
             took = observer.started[job] - sent_g[job]
@@ -576,6 +601,20 @@ async def bench(run: Run, double_url: str, double_proc: Proc) -> dict[str, Any]:
                 f"{finishes[-1]:.3f} s"
             )
         mem2 = memory_mb(executor.pid)
+        # Where the time goes, from the executor's log: produced -> every pod created and
+        # ungated (the executor's consumer, its store, the API calls), and the rest.
+        created = created_at(executor.log, {*jobs, *sent_wall})
+        t_created = [created[j] for j in jobs if j in created]
+        pods_created_per_s = (
+            len(t_created) / (max(t_created) - wall0) if len(t_created) == len(jobs) else math.nan
+        )
+        gang_created = [created[j] - w for j, w in sent_wall.items() if j in created]
+        if gang_created:
+            print(
+                f"gang: produced -> every pod created and ungated (executor log) median "
+                f"{statistics.median(gang_created):.3f} s; phase 1 pods created at "
+                f"{pods_created_per_s:.1f}/s"
+            )
         return {
             "pods_per_s": round(pods_per_s, 1),
             "gang16_start_s": round(statistics.median(starts), 3),
@@ -587,6 +626,10 @@ async def bench(run: Run, double_url: str, double_proc: Proc) -> dict[str, Any]:
             "placement_p99_ms": round(percentile(lat, 0.99), 1),
             "placement_max_ms": round(lat[-1], 1),
             "to_running_p50_ms": round(percentile(to_running, 0.5), 1),
+            "pods_created_per_s": round(pods_created_per_s, 1),
+            "gang16_created_s": (
+                round(statistics.median(gang_created), 3) if gang_created else None
+            ),
             "cpu_s_per_1000_pods": per_k,
             "executor_rss_mb": mem1.get("VmRSS"),
             "executor_peak_rss_mb": mem2.get("VmHWM"),
@@ -671,14 +714,16 @@ def main() -> None:
             "phase1_pods_running_during_gangs": args.pods + 1,
             "executor_fetch_max_wait_ms": "service default",
         }
-    except BaseException:
+    except Exception:
         failed = True
         raise
     finally:
         if failed:
             for proc in procs:
                 print(f"--- last lines of {proc.log}:\n{log_tail(proc.log, 15)}", file=sys.stderr)
-        stop_all([Target(p.pid, signal.SIGTERM, process=p.process) for p in procs])
+        # The executor first, so that it does not log the API going away.
+        for proc in reversed(procs):
+            stop_all([Target(proc.pid, signal.SIGTERM, process=proc.process)])
         if db is not None:
             with contextlib.suppress(Exception):
                 infra.drop_database(*db)
@@ -695,4 +740,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("k8s_backend: interrupted; every process it started is stopped", file=sys.stderr)
+        sys.exit(130)
