@@ -22,10 +22,12 @@ from sim.workload import SimJob
 
 
 class EventKind(IntEnum):
-    # Same-time order: finishes free capacity before arrivals and the cycle that sees both.
+    # Same-time order: finishes free capacity before arrivals and the cycle that sees both;
+    # a node joining (sim/elastic.py) comes before the arrivals and the cycle that may use it.
     FINISH = 0
-    ARRIVE = 1
-    CYCLE = 2
+    NODE = 1
+    ARRIVE = 2
+    CYCLE = 3
 
 
 @dataclass
@@ -151,14 +153,20 @@ class Simulation:
                 if epoch == self.records[job_id].epoch:
                     self._finish(job_id)
                     self._want_cycle()
-            else:
+            elif kind == EventKind.CYCLE:
                 self._cycle_due = None
                 self._cycle()
+            else:
+                self._on_node_event(job_id, epoch)
         for tenant in self._tenant_since:
             self._tenant_change(tenant)
         if self.progress is not None:
             self.progress(1.0)
         return self.records
+
+    def _on_node_event(self, subject: str, code: int) -> None:
+        """A NODE event (elastic pools only: sim/elastic.py)."""
+        raise NotImplementedError("NODE events come only from sim.elastic.ElasticSimulation")
 
     def _push(self, at: float, kind: EventKind, job_id: JobId, epoch: int = 0) -> None:
         self._seq += 1
