@@ -323,13 +323,16 @@ class Cycle:
         return out
 
     def _backoffs(self, now: float) -> dict[JobId, PendingExplanation]:
-        """Why a requeued job backing off is not placed yet."""
+        """Why a requeued (or repeatedly refused) job backing off is not placed yet."""
         out = {}
         for job_id, until in self.state.backing_off(now).items():
             at = datetime.fromtimestamp(until, UTC).strftime("%H:%M:%S")
+            since = self.state.closed.get(job_id, 0)
+            refused = any(a > since for a, _ in self.state.refused.get(job_id, ()))
+            why = "its placements were refused" if refused else "its last run ended"
             out[job_id] = PendingExplanation(
                 codes=(ReasonCode.BACKING_OFF,),
-                message=f"backing off after its last run ended; may be placed from {at} UTC",
+                message=f"backing off after {why}; may be placed from {at} UTC",
             )
         return out
 

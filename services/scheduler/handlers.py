@@ -181,9 +181,7 @@ def _apply(state: SchedulerState, record: ConsumerRecord[Any, Any], env: Envelop
     elif topic == topics.PLACEMENT_DECIDED:
         state.on_placed(PlacementDecided.model_validate(env.payload), env.occurred_at.timestamp())
     elif topic == topics.PLACEMENT_REFUSED:
-        state.on_refused(
-            PlacementRefused.model_validate(env.payload), env.occurred_at.timestamp()
-        )
+        state.on_refused(PlacementRefused.model_validate(env.payload), env.occurred_at.timestamp())
     elif topic == topics.JOB_FINISHED:
         state.on_finished(JobFinished.model_validate(env.payload))
     elif topic == topics.JOB_PREEMPTED:

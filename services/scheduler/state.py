@@ -342,8 +342,12 @@ class SchedulerState:
         self.preempting.pop(job_id, None)
         if job_id not in self.finished:
             self.pending[job_id] = alloc.job
-            if at is not None and len(refusals) > 1 and event.reason_code != STALE_EPOCH:
-                wait = min(REFUSAL_BACKOFF_CAP_S, REFUSAL_BACKOFF_S * 2 ** (len(refusals) - 2))
+            # Attempts refused since the job's last run ended (a requeue starts afresh); a
+            # deposed leader's copy of an attempt is the same attempt, not one more refusal.
+            since = self.closed.get(job_id, 0)
+            streak = len({attempt for attempt, _ in refusals if attempt > since})
+            if at is not None and streak > 1 and event.reason_code != STALE_EPOCH:
+                wait = min(REFUSAL_BACKOFF_CAP_S, REFUSAL_BACKOFF_S * 2 ** (streak - 2))
                 self.held[job_id] = max(self.held.get(job_id, 0.0), at + wait)
         self.dirty = True
 

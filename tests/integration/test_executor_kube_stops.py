@@ -147,6 +147,26 @@ async def test_an_invalid_pod_fails_the_job_with_the_apis_reason(
         assert r.book.by_job == {}
 
 
+async def test_a_forbidden_pod_is_refused_back_not_failed(
+    kube_api: RunningDouble,  # noqa: F811
+) -> None:
+    """A 403 (a full ResourceQuota, an admission rule, a PriorityClass the cluster lacks) is
+    the cluster's doing: the placement goes back to the scheduler and the job is not failed."""
+    double = kube_api.double
+    create_namespace(double)
+    add_gpu_node(double, "gpu-0")
+    double.inject_fault(
+        "create", "pods", status=403, message="exceeded quota: compute-resources", times=None
+    )
+    async with rig(kube_api) as r:
+        await r.place(placement("quota", ["gpu-0"]))
+        refused = await r.wait_event("PlacementRefused", "quota")
+        assert refused.payload["reason_code"] == "cluster_forbidden"
+        assert "exceeded quota" in refused.payload["message"]
+        assert not r.events("JobFinished") and not r.events("RunFailed")
+        assert r.book.by_job == {}
+
+
 async def test_nodes_become_inventory_and_health_inputs(
     kube_api: RunningDouble,  # noqa: F811
 ) -> None:

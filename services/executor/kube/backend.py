@@ -53,7 +53,11 @@ Obj = dict[str, Any]
 
 
 class Permanent(Exception):
-    """The API refused an object for good (invalid): the run cannot start."""
+    """The API refused a request in a way retrying will not change (its status says why)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -125,21 +129,7 @@ class KubeBackend:
                 await self._retrying(action)
             except Permanent as error:
                 if isinstance(action, Launch):
-                    # The job as specified can never become a valid pod here (no image, a
-                    # bad command): it fails with the API's words rather than being placed
-                    # and refused again and again.
-                    p = action.placement
-                    await self.watch.report(
-                        [
-                            RunReport(
-                                p.job_id,
-                                p.attempt,
-                                ReportKind.FAILED,
-                                INVALID_POD,
-                                f"the cluster's API refused the job's pod: {error}",
-                            )
-                        ]
-                    )
+                    await self.watch.report([_refusal(action.placement, error)])
             except Exception as error:  # retries exhausted: the cluster stays unreachable
                 log.error("kubernetes action failed", action=repr(action), error=str(error))
                 if isinstance(action, Launch):
@@ -167,7 +157,7 @@ class KubeBackend:
                 return
             except ApiException as error:
                 if error.status in (400, 403, 415, 422):
-                    raise Permanent(_reason(error)) from error
+                    raise Permanent(error.status, _reason(error)) from error
                 if time.monotonic() + delay > deadline:
                     raise
             except (aiohttp.ClientError, TimeoutError):
@@ -265,11 +255,11 @@ class KubeBackend:
             await self.core.delete_namespaced_service(
                 GangNames(job_id, attempt).service, self.namespace
             )
-        if self.options.pods.gang_disruption_budget:
-            with contextlib.suppress(ApiException):
-                await self.policy.delete_namespaced_pod_disruption_budget(
-                    GangNames(job_id, attempt).service, self.namespace
-                )
+        # Whether budgets are on now or not: one may be left from when they were.
+        with contextlib.suppress(ApiException):
+            await self.policy.delete_namespaced_pod_disruption_budget(
+                GangNames(job_id, attempt).service, self.namespace
+            )
         log.info("gang deleted", job_id=job_id, attempt=attempt, reason=t.reason, grace_s=grace)
 
     async def _signal(self, s: SignalCheckpoint) -> None:
@@ -317,6 +307,20 @@ class KubeBackend:
             return sorted(gang.pods)
         listed = await self.watch.list_pods(gang_selector(self.options.pods.cluster, *key))
         return sorted(p["metadata"]["name"] for p in listed["items"])
+
+
+def _refusal(p: PlacementDecided, error: Permanent) -> RunReport:
+    """A launch the API answered with a final no. Invalid (422: no image, a bad command): the
+    job as specified can never run here, so it fails with the API's words instead of being
+    placed and refused again and again. Forbidden (403: a full ResourceQuota, a PodSecurity
+    or admission rule, a PriorityClass the cluster lacks) or otherwise rejected: the
+    cluster's or its operator's doing, so the placement is refused back to the scheduler."""
+    if error.status == 422:
+        message = f"the cluster's API refused the job's pod as invalid: {error}"
+        return RunReport(p.job_id, p.attempt, ReportKind.FAILED, INVALID_POD, message)
+    code = "cluster_forbidden" if error.status == 403 else "cluster_rejected"
+    message = f"the cluster's API refused the gang (HTTP {error.status}): {error}"
+    return RunReport(p.job_id, p.attempt, ReportKind.REFUSED, code, message)
 
 
 def _reason(error: ApiException) -> str:

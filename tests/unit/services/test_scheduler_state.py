@@ -341,3 +341,27 @@ def test_a_deposed_leaders_refusals_hold_nothing_back() -> None:
         state.on_placed(placed("j1", attempt=attempt), 100.0)
         state.on_refused(refused("j1", attempt=attempt, epoch=1), 100.0)
     assert "j1" not in state.held
+
+
+def test_a_requeued_job_starts_its_refusal_count_afresh() -> None:
+    state = SchedulerState()
+    state.on_queued(queued("j1"))
+    for attempt in (1, 2, 3):
+        state.on_placed(placed("j1", attempt=attempt), 100.0)
+        refusal = refused("j1", attempt=attempt, epoch=1)
+        refusal.reason_code = "unschedulable"
+        state.on_refused(refusal, 100.0)
+    assert state.held["j1"] == 101.0  # type: ignore[index]
+    # Attempt 4 runs, is preempted and requeued much later: its first refusal is retried at
+    # once, as any job's.
+    state.on_placed(placed("j1", attempt=4), 200.0)
+    state.on_queued(
+        JobQueued(
+            job_id="j1", spec=spec(job_id="j1"), submitted_at=T0, attempt=5, requeue_of_attempt=4
+        )
+    )
+    state.on_placed(placed("j1", attempt=5), 300.0)
+    refusal = refused("j1", attempt=5, epoch=1)
+    refusal.reason_code = "unschedulable"
+    state.on_refused(refusal, 300.0)
+    assert state.held.get("j1", 0.0) <= 300.0  # type: ignore[call-overload]
