@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,26 +250,33 @@ async def wait_state(
         raise AssertionError(f"{job_id} never reached {states}: {seen}") from None
 
 
-def running_pods(ks: KubeStack, job_id: str, attempt: int, replicas: int) -> list[Obj] | None:
-    """The attempt's pods once every one of them runs (and is not being deleted)."""
-    pods = [
-        p
-        for p in ks.pods(job_id)
-        if p["metadata"]["labels"].get("quartermaster.io/attempt") == str(attempt)
-        and "deletionTimestamp" not in p["metadata"]
-    ]
-    if len(pods) == replicas and all(p["status"].get("phase") == "Running" for p in pods):
+def attempt_of(pod: Obj) -> int:
+    return int(pod["metadata"]["labels"]["quartermaster.io/attempt"])
+
+
+def running_pods(ks: KubeStack, job_id: str, replicas: int, after: int = 0) -> list[Obj] | None:
+    """The pods of the job's newest attempt (above `after`) once every one of them runs (and is
+    not being deleted). Not a fixed attempt: a placement refused on its way (a node cordoned a
+    moment before) comes back as the next attempt."""
+    live = [p for p in ks.pods(job_id) if "deletionTimestamp" not in p["metadata"]]
+    newest = max((attempt_of(p) for p in live), default=0)
+    pods = [p for p in live if attempt_of(p) == newest]
+    if (
+        newest > after
+        and len(pods) == replicas
+        and all(p["status"].get("phase") == "Running" for p in pods)
+    ):
         return sorted(pods, key=lambda p: p["metadata"]["name"])
     return None
 
 
 async def running(
-    ks: KubeStack, job_id: str, attempt: int = 1, replicas: int = 1, timeout_s: float = 90.0
+    ks: KubeStack, job_id: str, replicas: int = 1, after: int = 0, timeout_s: float = 90.0
 ) -> list[Obj]:
     return list(
         await until(
-            f"{job_id} attempt {attempt}: {replicas} pods running",
-            lambda: running_pods(ks, job_id, attempt, replicas),
+            f"{job_id}: {replicas} pods of an attempt after {after} running",
+            lambda: running_pods(ks, job_id, replicas, after),
             timeout_s,
         )
     )
@@ -279,15 +287,23 @@ def succeed(ks: KubeStack, pods: list[Obj]) -> None:
         ks.hook("pod_succeeded", NAMESPACE, pod["metadata"]["name"])
 
 
-def budgets(ks: KubeStack, job_id: str) -> list[Obj]:
+def _objects_of(ks: KubeStack, resource: str, job_id: str) -> list[Obj]:
     def mine() -> list[Obj]:
         return [
             copy.deepcopy(b)
-            for b in ks.kube.double.objects("poddisruptionbudgets", NAMESPACE)
+            for b in ks.kube.double.objects(resource, NAMESPACE)
             if (b["metadata"].get("annotations") or {}).get(JOB_ANNOTATION) == job_id
         ]
 
     return ks.kube.call(mine)
+
+
+def budgets(ks: KubeStack, job_id: str) -> list[Obj]:
+    return _objects_of(ks, "poddisruptionbudgets", job_id)
+
+
+def gang_services(ks: KubeStack, job_id: str) -> list[Obj]:
+    return _objects_of(ks, "services", job_id)
 
 
 def env_of(pod: Obj) -> dict[str, str]:
@@ -408,7 +424,7 @@ async def test_a_critical_job_preempts_with_a_checkpoint_and_the_victim_runs_aga
     # The critical job runs; once it is done, the victim runs again (attempt 2) and finishes.
     succeed(ks, [critical_pod])
     assert (await wait_state(client, critical, {"succeeded"}))["state"] == "succeeded"
-    (again,) = await running(ks, victim, attempt=2)
+    (again,) = await running(ks, victim, after=attempt_of(filler_pods[victim]))
     succeed(ks, [again, *(p for f, p in filler_pods.items() if f != victim)])
     for f in fillers:
         done = await wait_state(client, f, {"succeeded", "failed", "canceled"})
@@ -430,6 +446,11 @@ async def test_a_job_without_an_image_fails_with_the_apis_reason(
     assert done["reason_code"] == "invalid_pod", done
     assert "image" in done["message"], done
     assert not ks.pods(job_id)
+    # What was created before the pod was refused (its Service, its budget) is gone too.
+    await until(
+        "the gang's objects deleted",
+        lambda: not budgets(ks, job_id) and not gang_services(ks, job_id),
+    )
 
 
 async def test_a_cordoned_node_keeps_its_work_and_gets_no_new_work(
@@ -447,7 +468,7 @@ async def test_a_cordoned_node_keeps_its_work_and_gets_no_new_work(
         placed = [(await running(ks, o))[0] for o in others]
         assert all(node_of(p) != cordoned for p in placed), [node_of(p) for p in placed]
         # The cordon did not stop what ran there.
-        assert running_pods(ks, first, 1, 1), ks.pods(first)
+        assert running_pods(ks, first, 1), ks.pods(first)
         assert (await job(client, first))["state"] == "running"
         succeed(ks, [pod, *placed])
         for job_id in [first, *others]:
@@ -468,7 +489,9 @@ async def test_a_node_that_goes_not_ready_hands_its_gang_back_to_run_elsewhere(
     try:
         # Heartbeats stop; the health service quarantines the node; the executor hands the
         # gang back and cordons and taints the node; the job runs again on another node.
-        (again,) = await running(ks, job_id, attempt=2, timeout_s=UNHEALTHY_AFTER_S + 60)
+        (again,) = await running(
+            ks, job_id, after=attempt_of(pod), timeout_s=UNHEALTHY_AFTER_S + 60
+        )
         assert node_of(again) != failing
         node = ks.node(failing)
         assert node["spec"].get("unschedulable") is True
@@ -500,16 +523,24 @@ async def test_an_executor_restart_adopts_its_pods_and_reports_what_ended_meanwh
 
     executor = ks.executor
     assert executor.process is not None
+    killed = time.monotonic()
     executor.process.kill()
     executor.process.wait(timeout=30)
     succeed(ks, [ended_pod])  # while no executor watches
     ks.stack.restart(executor)
+    away_s = time.monotonic() - killed
+    # While it is away its nodes are silent; past the health service's threshold they would
+    # be declared lost and the gang handed back, which is another flow than this one.
+    assert away_s < UNHEALTHY_AFTER_S, (
+        f"the executor took {away_s:.0f} s to restart, more than the {UNHEALTHY_AFTER_S} s "
+        "after which silent nodes are lost: this run cannot tell adoption from recovery"
+    )
 
     done = await wait_state(client, ended, {"succeeded", "failed", "canceled"})
     assert done["state"] == "succeeded", done
-    # The gang that kept running was adopted, not restarted: same pods, still attempt 1.
-    assert running_pods(ks, stays, 1, 2) is not None
-    assert [p["metadata"]["uid"] for p in running_pods(ks, stays, 1, 2) or []] == [
+    # The gang that kept running was adopted, not restarted: the same pods.
+    assert running_pods(ks, stays, 2) is not None
+    assert [p["metadata"]["uid"] for p in running_pods(ks, stays, 2) or []] == [
         p["metadata"]["uid"] for p in stays_pods
     ]
     succeed(ks, stays_pods)

@@ -143,9 +143,8 @@ def granted() -> set[tuple[str, str]]:
     pairs = set()
     for doc in yaml.safe_load_all(ROLE.read_text()):
         for rule in (doc or {}).get("rules") or []:
-            groups = [g for g in rule["apiGroups"] if g] or [""]
             for resource in rule["resources"]:
-                for group in groups:
+                for group in rule["apiGroups"]:
                     name = f"{resource}.{group}" if group else resource
                     pairs |= {(verb, name) for verb in rule["verbs"]}
     return pairs
