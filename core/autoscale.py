@@ -42,6 +42,8 @@ class NodePool:
     provision_s: float = 180.0
     # A ready node empty this long is removed (if the pool is above its minimum).
     cooldown_s: float = 600.0
+    # The simulated fleet only: the chance that a node asked for never comes (a stockout).
+    stockout_rate: float = 0.0
 
     @property
     def effective_price(self) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from core.autoscale import NodePool
 from core.errors import FleetError
 from core.model import (
     AcceleratorModel,
@@ -155,3 +156,92 @@ def _whole(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise FleetError(f"{where}: expected a non-negative integer, got {value!r}")
     return value
+
+
+_POOL_KEYS = {
+    "name",
+    "accelerator_type",
+    "accelerators_per_node",
+    "cpu",
+    "memory_gb",
+    "price_tier",
+    "min_nodes",
+    "max_nodes",
+    "provision_s",
+    "cooldown_s",
+    "stockout_rate",
+    "generation",
+    "accelerator_memory_gb",
+    "relative_speed",
+}
+
+
+def load_pools(
+    doc: Mapping[str, Any],
+    accelerator_types: Mapping[str, AcceleratorModel] | None = None,
+    fallback_prices: Mapping[tuple[str, PriceTier], float] | None = None,
+) -> dict[ClusterId, list[NodePool]]:
+    """Each cluster's elastic node pools (`node_pools:` in the fleet file). A pool's price is
+    its cluster's for its type and tier, else the policy's (`fallback_prices`)."""
+    clusters, _ = load_fleet(doc, accelerator_types)
+    pools: dict[ClusterId, list[NodePool]] = {}
+    names: set[str] = set()
+    for i, raw in enumerate(doc["clusters"]):
+        cluster = clusters[ClusterId(raw["name"])]
+        for j, group in enumerate(raw.get("node_pools") or []):
+            where = f"clusters[{i}].node_pools[{j}]"
+            pool = _pool(cluster, group, where, accelerator_types or {}, fallback_prices or {})
+            if pool.name in names:
+                raise FleetError(f"{where}: duplicate pool name {pool.name!r}")
+            names.add(pool.name)
+            pools.setdefault(cluster.cluster_id, []).append(pool)
+    return pools
+
+
+def _pool(
+    cluster: Cluster,
+    group: Any,
+    where: str,
+    known: Mapping[str, AcceleratorModel],
+    fallback: Mapping[tuple[str, PriceTier], float],
+) -> NodePool:
+    if not isinstance(group, Mapping):
+        raise FleetError(f"{where}: expected a mapping")
+    unknown = sorted(set(group) - _POOL_KEYS)
+    if unknown:
+        raise FleetError(f"{where}: unknown key(s) {unknown}")
+    name = group.get("name")
+    if not isinstance(name, str) or not name.replace("-", "").isalnum() or len(name) > 40:
+        raise FleetError(f"{where}.name: expected a short name of letters, digits and '-'")
+    model = _model(group, where, known)
+    tier = _tier(group.get("price_tier", "on_demand"), f"{where}.price_tier")
+    price = cluster.prices.get((model.type, tier), fallback.get((model.type, tier)))
+    if price is None:
+        raise FleetError(
+            f"{where}: no {tier.value} price for {model.type} in the cluster or the policy"
+        )
+    minimum = _whole(group.get("min_nodes", 0), f"{where}.min_nodes")
+    maximum = _whole(group.get("max_nodes", 0), f"{where}.max_nodes")
+    if maximum < minimum:
+        raise FleetError(f"{where}: max_nodes {maximum} is below min_nodes {minimum}")
+    stockout = _number(group.get("stockout_rate", 0.0), f"{where}.stockout_rate")
+    if not 0.0 <= stockout <= 1.0:
+        raise FleetError(f"{where}.stockout_rate: expected a share between 0 and 1")
+    per_node = _whole(group.get("accelerators_per_node", 8), f"{where}.accelerators_per_node")
+    if per_node < 1:
+        raise FleetError(f"{where}.accelerators_per_node: expected at least 1")
+    return NodePool(
+        name=name,
+        cluster=cluster.cluster_id,
+        accelerator=model,
+        accelerators_per_node=per_node,
+        cpu=_number(group.get("cpu", 64), f"{where}.cpu"),
+        memory_gb=_number(group.get("memory_gb", 512), f"{where}.memory_gb"),
+        price_tier=tier,
+        price=price,
+        min_nodes=minimum,
+        max_nodes=maximum,
+        provision_s=_number(group.get("provision_s", 180), f"{where}.provision_s"),
+        cooldown_s=_number(group.get("cooldown_s", 600), f"{where}.cooldown_s"),
+        stockout_rate=stockout,
+    )

@@ -286,6 +286,38 @@ class NodeInfo(Payload):
     healthy: bool = True
 
 
+class PoolNodeState(StrEnum):
+    PROVISIONING = "provisioning"  # asked for, not ready yet (not in `nodes`)
+    READY = "ready"  # takes work (in `nodes`)
+    DRAINING = "draining"  # to be removed: takes no new work, goes once empty
+
+
+class PoolNode(Payload):
+    node_id: str = Field(max_length=253)
+    state: PoolNodeState
+    requested_at: datetime
+    ready_at: datetime | None = None
+    # Accelerators in use now (ready and draining nodes).
+    used: float = Field(default=0.0, ge=0)
+    # Since when it has been empty (ready nodes).
+    empty_since: datetime | None = None
+
+
+class PoolStatus(Payload):
+    """One elastic node pool of a cluster as its executor holds it."""
+
+    pool: str = Field(max_length=128)
+    accelerator_type: str = Field(max_length=128)
+    accelerators_per_node: int = Field(ge=1, le=1024)
+    price_tier: str = Field(max_length=32)
+    min_nodes: int = Field(ge=0)
+    max_nodes: int = Field(ge=0)
+    desired_nodes: int = Field(ge=0)
+    nodes: list[PoolNode] = Field(default_factory=list, max_length=10_000)
+    # The last provisioning failure (stockout, quota), while it lasts.
+    failing: str | None = Field(default=None, max_length=1000)
+
+
 class ClusterCapacity(Payload):
     """An executor's full inventory of its cluster; the scheduler builds its fleet from it."""
 
@@ -296,6 +328,49 @@ class ClusterCapacity(Payload):
         description="Accelerator type -> price tier -> price per accelerator-hour."
     )
     nodes: list[NodeInfo]
+    # Its elastic pools (the autoscaler reads them; the scheduler needs only `nodes`).
+    pools: list[PoolStatus] = Field(default_factory=list, max_length=256)
+
+
+class DemandItem(Payload):
+    """A pending job the scheduler could not place for want of capacity, as its shape."""
+
+    job_id: str = Field(max_length=253)
+    tenant: str = Field(max_length=128)
+    replicas: int = Field(ge=1, le=2048)
+    accelerators: float = Field(ge=0, le=1024, description="Per replica.")
+    accelerator_types: list[str] = Field(default_factory=list, max_length=64)
+    accelerator_memory_gb: float | None = Field(default=None, ge=0)
+    cpu: float = Field(default=0.0, ge=0)
+    memory_gb: float = Field(default=0.0, ge=0)
+    topology: str = Field(default="cluster", max_length=32)
+    topology_required: bool = False
+    preemptible: bool = True
+    codes: list[str] = Field(default_factory=list, max_length=32)
+    budget_blocked: bool = False
+
+
+class CapacityDemand(Payload):
+    """The leading scheduler's pending work that waits for capacity (not for quota, fair
+    share or priority), head of the queue first; sent when it changes and now and then."""
+
+    scheduler: str = Field(max_length=253, description="The leader that sent it.")
+    epoch: int = Field(ge=0)
+    jobs: list[DemandItem] = Field(default_factory=list, max_length=2000)
+    pending_jobs: int = Field(ge=0, description="All pending jobs, capacity-bound or not.")
+    truncated: bool = False
+
+
+class AutoscaleDecided(Payload):
+    """The size one elastic pool should have, and which of its nodes should go. A size, not
+    a delta: the same decision applied twice buys nothing twice."""
+
+    cluster: str = Field(max_length=128)
+    pool: str = Field(max_length=128)
+    desired_nodes: int = Field(ge=0)
+    remove: list[str] = Field(default_factory=list, max_length=10_000)
+    for_jobs: list[str] = Field(default_factory=list, max_length=2000)
+    reason: str = Field(default="", max_length=2000)
 
 
 class NodeHeartbeat(Payload):

@@ -55,6 +55,7 @@ NODE_UNHEALTHY = "node.unhealthy"
 NODE_RECOVERED = "node.recovered"
 CLUSTER_CAPACITY = "cluster.capacity"
 AUTOSCALE_DECIDED = "autoscale.decided"
+CAPACITY_DEMAND = "capacity.demand"
 USAGE_TICK = "usage.tick"
 BUDGET_EXCEEDED = "budget.exceeded"
 ALERT_RAISED = "alert.raised"
@@ -234,7 +235,23 @@ TOPICS: tuple[Topic, ...] = (
         events.ClusterCapacity,
         "An executor's inventory of its cluster.",
     ),
-    Topic(AUTOSCALE_DECIDED, "cluster", 1, "AutoscaleDecided", None, "Capacity to add or remove."),
+    Topic(
+        AUTOSCALE_DECIDED,
+        "cluster",
+        1,
+        "AutoscaleDecided",
+        events.AutoscaleDecided,
+        "The size an elastic node pool should have, and which of its nodes go.",
+    ),
+    Topic(
+        CAPACITY_DEMAND,
+        "scheduler",
+        1,
+        "CapacityDemand",
+        events.CapacityDemand,
+        "Pending work waiting for capacity, by shape (from the leading scheduler).",
+        retention_ms=DAY_MS,
+    ),
     Topic(
         USAGE_TICK,
         "tenant",

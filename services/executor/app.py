@@ -10,7 +10,7 @@ import time
 
 from fastapi import FastAPI
 
-from core.fleet import load_fleet
+from core.fleet import load_fleet, load_pools
 from schemas import topics
 from schemas.health import NodeProbe
 from services.common.bootstrap import open_outboxed
@@ -24,6 +24,7 @@ from services.common.kafka import (
 from services.common.policyfile import load_policy, read_yaml
 from services.common.runtime import Runtime, create_http_app
 from services.executor.backend import Backend
+from services.executor.elastic import ElasticPools
 from services.executor.faults import FaultInjector, Outage, Slowdowns, fault_router
 from services.executor.fleetinfo import capacity_event, heartbeats
 from services.executor.handlers import PAYLOADS, Executor
@@ -32,6 +33,7 @@ from services.executor.kube.connect import api_client, device_loss_kind, kube_op
 from services.executor.kube.inventory import KubeInventory
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
+from services.executor.pools import PoolBook
 from services.executor.random_faults import RandomFaults
 from services.executor.runs import progress
 from services.executor.settings import ExecutorSettings, with_fleet_backend
@@ -67,6 +69,18 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         if n.cluster == cluster_name and not kubernetes
     }
     book = NodeBook(nodes)
+    pool_book = PoolBook(
+        cluster_name,
+        load_pools(fleet_doc, policy.accelerator_types, policy.prices).get(cluster.cluster_id, []),
+        settings.time_scale,
+        settings.fault_seed,
+    )
+    announce_due = {"capacity": 0.0}  # monotonic time of the last inventory; 0: send now
+
+    def announce_now() -> None:
+        announce_due["capacity"] = 0.0
+
+    elastic = ElasticPools(pool_book, book, announce_now)
     inventory: list[KubeInventory] = []  # the cluster's nodes, once connected
     outage = Outage()
     slowdowns = Slowdowns()
@@ -89,6 +103,12 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         await state["executor"].process(records)
 
     consumers.subscribe(*PAYLOADS, group_id=f"executor-{cluster_name}", handle=handle)
+    if pool_book.pools and not kubernetes:
+        consumers.subscribe(
+            topics.AUTOSCALE_DECIDED,
+            group_id=f"executor-{cluster_name}-pools",
+            handle=elastic.handle,
+        )
 
     async def finish_loop() -> None:
         while True:
@@ -102,14 +122,18 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
 
     async def announce_loop() -> None:
         """Inventory now and then (the scheduler builds its fleet from it) and heartbeats."""
-        last_capacity = 0.0
         while True:
             if outage.dark:  # a simulated outage: the cluster says nothing at all
                 await asyncio.sleep(settings.heartbeat_interval_s)
                 continue
             out: list[OutMessage] = []
-            if time.monotonic() - last_capacity >= settings.capacity_interval_s:
-                cap = capacity_event(cluster, inventory[0].nodes() if inventory else nodes)
+            if time.monotonic() - announce_due["capacity"] >= settings.capacity_interval_s:
+                now_nodes = inventory[0].nodes() if inventory else nodes
+                cap = capacity_event(
+                    cluster,
+                    {**now_nodes, **pool_book.ready_nodes()},
+                    pool_book.status(book.used),
+                )
                 out.append(
                     OutMessage(
                         topics.CLUSTER_CAPACITY,
@@ -117,7 +141,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
                         envelope_for("ClusterCapacity", cap, producer=producer),
                     )
                 )
-                last_capacity = time.monotonic()
+                announce_due["capacity"] = time.monotonic()
             silent = inventory[0].silent() if inventory else set()
             for beat in heartbeats(cluster_name, book):
                 if beat.node_id in silent:
@@ -161,6 +185,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             runtime, broker, consumers, schema=schema_for(cluster_name), migrations=MIGRATIONS
         )
         store = ExecutorStore(pool, cluster_name)
+        await elastic.start(store)
         kube: KubeBackend | None = None
         backend: Backend | None = None
         if kubernetes:
@@ -176,6 +201,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             default_duration_s=settings.default_duration_s,
             backend=backend,
         )
+        elastic.changing = executor.changing
         await executor.restore()
         state["executor"] = executor
         runtime.background(finish_loop)
@@ -191,6 +217,8 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             if settings.fault_rate_per_hour > 0:
                 random_mode.configure(settings.fault_rate_per_hour, settings.fault_seed)
             runtime.background(random_mode.run_forever)
+            if pool_book.pools:
+                runtime.background(elastic.run_forever)
         await broker.start()
 
     async def publish_probe(probe: NodeProbe) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from core.model import Cluster, Node
-from schemas.events import ClusterCapacity, NodeHeartbeat, NodeInfo
+from schemas.events import ClusterCapacity, NodeHeartbeat, NodeInfo, PoolStatus
 from services.executor.nodes import NodeBook
 
 
-def capacity_event(cluster: Cluster, nodes: dict[str, Node]) -> ClusterCapacity:
+def capacity_event(
+    cluster: Cluster, nodes: dict[str, Node], pools: list[PoolStatus] | None = None
+) -> ClusterCapacity:
     prices: dict[str, dict[str, float]] = {}
     for (acc_type, tier), price in cluster.prices.items():
         prices.setdefault(acc_type, {})[tier.value] = price
@@ -34,6 +36,7 @@ def capacity_event(cluster: Cluster, nodes: dict[str, Node]) -> ClusterCapacity:
             )
             for n in sorted(nodes.values(), key=lambda n: n.node_id)
         ],
+        pools=pools or [],
     )
 
 

@@ -103,6 +103,12 @@ class Executor:
     async def restore(self) -> None:
         self._rebuild(*await self.store.load())
 
+    @property
+    def changing(self) -> asyncio.Lock:
+        """Held while a change is decided and stored; node book changes from outside (an
+        elastic pool's nodes coming and going) take it too."""
+        return self._changing
+
     def _rebuild(self, jobs: list[RunningJob], epoch: int, tombstones: dict[str, float]) -> None:
         """Memory as the store has it (after a start, or after a failed transaction)."""
         for job_id in list(self.book.by_job):

@@ -125,6 +125,19 @@ class NodeBook:
         use.devices = devices + [1.0] * (node.accelerators - len(devices))
         use.node = node
 
+    def remove(self, node_id: str) -> bool:
+        """Forget a node nothing is booked on (an elastic pool's node going away)."""
+        use = self.use.get(node_id)
+        if use is None or self.used(node_id) > EPS or use.cpu > EPS or use.memory_gb > EPS:
+            return False
+        del self.use[node_id]
+        return True
+
+    def used(self, node_id: str) -> float:
+        """Accelerators booked on the node (0 for a node not here)."""
+        use = self.use.get(node_id)
+        return use.allocated_accelerators if use is not None else 0.0
+
     def set_health(self, node_id: str, *, healthy: bool) -> bool:
         """Mark a node (un)healthy; False if it is not ours or nothing changed."""
         use = self.use.get(node_id)

@@ -12,6 +12,7 @@ from pathlib import Path
 import asyncpg
 
 from schemas.events import ReplicaAssignment
+from services.executor.pools import Member, PoolBook
 from services.executor.simulated import RunEnd
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -201,6 +202,38 @@ class ExecutorStore:
             await conn.executemany(
                 f'INSERT INTO "{s}".tombstones (job_id) VALUES ($1) ON CONFLICT DO NOTHING',
                 [(t,) for t in tombstones],
+            )
+
+    async def load_pools(self) -> tuple[list[Member], dict[str, tuple[int, int]]]:
+        """The elastic pools' members and (desired size, next node number) per pool."""
+        s = self.schema
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(f'SELECT * FROM "{s}".pool_nodes')
+            sizes = await conn.fetch(f'SELECT * FROM "{s}".pool_sizes')
+        members = [
+            Member(r["node_id"], r["pool"], r["requested_at"], r["ready_at"], r["stockout"])
+            for r in rows
+        ]
+        return members, {r["pool"]: (r["desired"], r["next_seq"]) for r in sizes}
+
+    async def save_pools(self, book: PoolBook) -> None:
+        """The pools as they are now, whole (a few hundred rows at most), in one transaction."""
+        s = self.schema
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(f'DELETE FROM "{s}".pool_nodes')
+            await conn.executemany(
+                f'INSERT INTO "{s}".pool_nodes (node_id, pool, requested_at, ready_at, stockout) '
+                "VALUES ($1, $2, $3, $4, $5)",
+                [
+                    (m.node_id, m.pool, m.requested_at, m.ready_at, m.stockout)
+                    for m in book.members.values()
+                ],
+            )
+            await conn.executemany(
+                f'INSERT INTO "{s}".pool_sizes (pool, desired, next_seq) VALUES ($1, $2, $3) '
+                "ON CONFLICT (pool) DO UPDATE SET desired = EXCLUDED.desired, "
+                "next_seq = EXCLUDED.next_seq",
+                [(name, book.desired[name], book.next_seq[name]) for name in book.pools],
             )
 
     async def forget_tombstones(self, before: datetime) -> int:

@@ -24,8 +24,14 @@ from core.model import Allocation, JobId, TenantId
 from core.policy import Policy
 from core.reasons import PendingExplanation, ReasonCode
 from schemas import topics
+from schemas.events import (
+    CapacityDemand,
+    DemandItem,
+    PendingExplained,
+    PlacementDecided,
+    PreemptionRequested,
+)
 from schemas.events import Claim as WireClaim
-from schemas.events import PendingExplained, PlacementDecided, PreemptionRequested
 from services.common.kafka import Outcome, OutMessage, envelope_for
 from services.scheduler.convert import placement_event
 from services.scheduler.emit import publish_each
@@ -36,6 +42,30 @@ from services.scheduler.working import WorkingSet
 
 log = structlog.get_logger()
 EXPLAIN_EVERY_S = 10.0
+# The capacity demand goes out when it changes and at least this often (wall seconds).
+DEMAND_EVERY_S = 15.0
+DEMAND_MAX = 2000
+# A job waits for capacity when one of these explains it, and none of the others below.
+CAPACITY_CODES = frozenset(
+    {
+        ReasonCode.INSUFFICIENT_CAPACITY,
+        ReasonCode.CAPACITY_RESERVED,
+        ReasonCode.HEAD_OF_LINE_BLOCKED,
+        ReasonCode.NO_MATCHING_NODES,
+        ReasonCode.TOPOLOGY_TOO_SMALL,
+        ReasonCode.REPLICA_TOO_LARGE,
+    }
+)
+# Waits that more nodes would not end: quota, priority, a backoff, victims leaving, a bad spec.
+NOT_FOR_CAPACITY = frozenset(
+    {
+        ReasonCode.QUOTA_EXHAUSTED,
+        ReasonCode.BORROW_LIMIT,
+        ReasonCode.BACKING_OFF,
+        ReasonCode.AWAITING_PREEMPTION,
+        ReasonCode.INVALID_REQUEST,
+    }
+)
 # A big backlog changes thousands of sentences per cycle; publishing them all made one cycle's
 # publish take seconds (measured under the chaos mix: ~5,000 messages, up to 2.6 s, against a
 # 3 s lease). What does not go out now goes out in a later cycle.
@@ -78,12 +108,15 @@ class Decisions:
     placements: tuple[tuple[OutMessage, PlacementDecided], ...] = ()
     requests: tuple[tuple[OutMessage, PreemptionRequested], ...] = ()
     explained: tuple[tuple[OutMessage, JobId, Told], ...] = ()
+    # The pending work waiting for capacity, when it changed or is due again (last).
+    demand: tuple[OutMessage, tuple[object, ...]] | None = None
 
     def messages(self) -> list[OutMessage]:
         return (
             [m for m, _ in self.placements]
             + [m for m, _ in self.requests]
             + [m for m, *_ in self.explained]
+            + ([self.demand[0]] if self.demand is not None else [])
         )
 
 
@@ -112,6 +145,8 @@ class Cycle:
         self.told: dict[JobId, Told] = {}
         self.usage: dict[TenantId, float] = {}
         self.last_accrual: float | None = None
+        # The capacity demand last sent (its jobs and codes) and when.
+        self.demand_sent: tuple[tuple[object, ...], float] | None = None
         # The policy with budget deprioritizations applied, per (month, factors): the same
         # object while they hold, so the working set is rebuilt only when they change.
         self._weighted: tuple[tuple[str, tuple[tuple[str, float], ...]], Policy] | None = None
@@ -177,6 +212,7 @@ class Cycle:
             placements=tuple(placements),
             requests=tuple(requests),
             explained=tuple(self._explanations(pending, now)),
+            demand=self._demand(pending, epoch, now),
         )
 
     async def publish(self, decisions: Decisions) -> list[Outcome]:
@@ -212,9 +248,14 @@ class Cycle:
             if sent:
                 state.on_preemption_requested(request)
                 self.metrics.preemptions.labels(request.reason_code).inc()
-        for (_, job_id, told), sent in zip(decisions.explained, ok[ends[1] :], strict=True):
+        told_end = ends[1] + len(decisions.explained)
+        for (_, job_id, told), sent in zip(
+            decisions.explained, ok[ends[1] : told_end], strict=True
+        ):
             if sent:
                 self.told[job_id] = told
+        if decisions.demand is not None and ok[told_end:] == [True]:
+            self.demand_sent = (decisions.demand[1], decisions.at)
         for job_id in [j for j in self.told if j not in state.pending]:
             del self.told[job_id]
         self.metrics.placed.inc(placed)
@@ -335,6 +376,52 @@ class Cycle:
                 message=f"backing off after {why}; may be placed from {at} UTC",
             )
         return out
+
+    def _demand(
+        self, pending: Mapping[JobId, PendingExplanation], epoch: int, now: float
+    ) -> tuple[OutMessage, tuple[object, ...]] | None:
+        """The pending jobs that wait for capacity alone, head of the queue first, for the
+        autoscaler: when that set changes, and every DEMAND_EVERY_S anyway (so an autoscaler
+        that starts hears it soon)."""
+        items = []
+        for job_id, why in pending.items():
+            codes = {str(c) for c in why.codes}
+            job = self.state.pending.get(job_id)
+            if job is None or not codes & CAPACITY_CODES or codes & NOT_FOR_CAPACITY:
+                continue
+            items.append(
+                DemandItem(
+                    job_id=job_id,
+                    tenant=job.tenant,
+                    replicas=job.replicas,
+                    accelerators=job.accelerators,
+                    accelerator_types=list(job.accelerator_types),
+                    accelerator_memory_gb=job.accelerator_memory_gb,
+                    cpu=job.cpu,
+                    memory_gb=job.memory_gb,
+                    topology=job.topology.value,
+                    topology_required=job.topology_required,
+                    preemptible=job.preemptible,
+                    codes=sorted(codes),
+                )
+            )
+            if len(items) >= DEMAND_MAX:
+                break
+        signature = tuple((i.job_id, tuple(i.codes)) for i in items)
+        last = self.demand_sent
+        if not signature and (last is None or not last[0]):
+            return None  # nothing waits for capacity, and nobody was told otherwise
+        if last is not None and last[0] == signature and now - last[1] < DEMAND_EVERY_S:
+            return None
+        event = CapacityDemand(
+            scheduler=self.leader,
+            epoch=epoch,
+            jobs=items,
+            pending_jobs=len(pending),
+            truncated=len(items) >= DEMAND_MAX,
+        )
+        env = envelope_for("CapacityDemand", event, producer=PRODUCER)
+        return OutMessage(topics.CAPACITY_DEMAND, self.leader, env), signature
 
     def _explanations(
         self, pending: Mapping[JobId, PendingExplanation], now: float

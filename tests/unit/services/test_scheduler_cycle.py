@@ -294,3 +294,22 @@ async def test_a_victim_whose_run_ended_meanwhile_is_not_marked_leaving(
     await decide.run_once(epoch=1, now=NOW, still_leading=victim_ends)
     assert len(of(seen, topics.PREEMPTION_REQUESTED)) == 1  # it went out
     assert state.preempting == {} and state.running == {}
+
+
+def test_work_waiting_for_capacity_alone_goes_out_as_demand_when_it_changes() -> None:
+    state = fleet_with(1, "j1", "j2", "j3")
+    state.held[JobId("j3")] = NOW + 100  # backing off: more nodes would not start it now
+    cycle, _ = cycle_on(state, None)
+    decisions = cycle.decide(epoch=4, now=NOW)
+    assert decisions.demand is not None
+    message, _signature = decisions.demand
+    assert message.topic == topics.CAPACITY_DEMAND
+    demand = message.envelope.payload
+    assert demand["epoch"] == 4 and demand["scheduler"] == "leader-1"
+    (item,) = demand["jobs"]
+    assert (item["job_id"], item["replicas"], item["accelerators"]) == ("j2", 1, 8)
+    assert item["accelerator_types"] == ["H100"] and "insufficient_capacity" in item["codes"]
+    # Sent once: the same demand is not sent again until DEMAND_EVERY_S has passed.
+    cycle.apply(decisions, [None] * len(decisions.messages()))
+    assert cycle.decide(epoch=4, now=NOW + 1).demand is None
+    assert cycle.decide(epoch=4, now=NOW + 16).demand is not None

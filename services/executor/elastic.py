@@ -1,0 +1,100 @@
+"""Carrying out `autoscale.decided` on the simulated fleet: the pool book (pools.py) decides,
+this applies — nodes into and out of the executor's node book, the pools stored, and the
+inventory announced again at once when it changed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime
+
+import structlog
+
+from schemas.events import AutoscaleDecided
+from services.common.consumer import Records
+from services.executor.nodes import NodeBook
+from services.executor.pools import Change, PoolBook
+from services.executor.store import ExecutorStore, utcnow
+
+log = structlog.get_logger()
+
+
+class ElasticPools:
+    def __init__(
+        self,
+        book: PoolBook,
+        nodes: NodeBook,
+        announce: Callable[[], None],
+    ) -> None:
+        self.book = book
+        self.nodes = nodes
+        # The executor's lock (set at start): placements and node removals never interleave.
+        self.changing = asyncio.Lock()
+        self.announce = announce
+        self.store: ExecutorStore | None = None
+
+    async def start(self, store: ExecutorStore) -> None:
+        """The stored pools; ready nodes go into the node book before the runs are booked."""
+        self.store = store
+        members, sizes = await store.load_pools()
+        self.book.restore(members, sizes)
+        for node in self.book.ready_nodes().values():
+            self.nodes.upsert(node)
+        log.info("pools restored", nodes=len(members), pools=len(self.book.pools))
+
+    async def handle(self, records: Records) -> None:
+        for got in records:
+            try:
+                d = AutoscaleDecided.model_validate(got.envelope.payload)
+            except ValueError as error:
+                log.warning("autoscale decision not understood", error=str(error))
+                continue
+            if d.cluster != self.book.cluster:
+                continue
+            async with self.changing:
+                change = self.book.apply(d, utcnow(), self.nodes.used)
+                self._carry_out(change)
+                await self._save()
+            if change.asked or change.dropped:
+                log.info(
+                    "pool resized",
+                    pool=d.pool,
+                    desired=d.desired_nodes,
+                    asked=[m.node_id for m in change.asked],
+                    dropped=[m.node_id for m in change.dropped],
+                    reason=d.reason,
+                )
+                self.announce()
+
+    async def run_forever(self, every_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.tick(utcnow())
+            except Exception as error:  # the store may be away: the next tick tries again
+                log.warning("pool tick failed", error=str(error))
+
+    async def tick(self, now: datetime) -> None:
+        async with self.changing:
+            self.book.note_use(self.nodes.used, now)
+            change = self.book.due(now)
+            if not change.joined and not change.dropped:
+                return
+            self._carry_out(change)
+            await self._save()
+        for m in change.joined:
+            log.info("pool node ready", pool=m.pool, node=m.node_id)
+        for m in change.dropped:
+            log.warning("pool node never came", pool=m.pool, node=m.node_id)
+        self.announce()
+
+    def _carry_out(self, change: Change) -> None:
+        for m in change.joined:
+            self.nodes.upsert(self.book.node(m))
+        for m in change.dropped:
+            if m.ready_at is not None and not self.nodes.remove(m.node_id):
+                log.error("pool node dropped while booked", node=m.node_id)
+
+    async def _save(self) -> None:
+        if self.store is not None:
+            await self.store.save_pools(self.book)
