@@ -161,6 +161,9 @@ class GatewayClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("DELETE", f"/v1/jobs/{job_id}"))
 
+    def pools(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/v1/pools"))
+
     def explain(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/v1/jobs/{job_id}/explain"))
 

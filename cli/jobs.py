@@ -143,10 +143,15 @@ def status(
     """Show a job: state, reason, placement and its event history."""
     with gateway(url, token) as client:
         job = client.job(job_id)
+        why = client.explain(job_id) if job.get("state") in ("submitted", "queued") else None
     if as_json:
         console.print_json(json.dumps(job))
-    else:
-        console.print(render.job_view(job))
+        return
+    console.print(render.job_view(job))
+    if why is not None:
+        console.print(f"waiting: {why.get('message', '')}", highlight=False)
+        if why.get("growing"):
+            console.print(f"capacity: {why['growing']['message']}", highlight=False)
 
 
 def list_jobs(

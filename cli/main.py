@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from cli import jobs, render
+from cli import pools as pools_command
 from cli import usage as usage_command
 from cli.client import state_dir
 from cli.errors import QmError, StackError
@@ -312,6 +313,7 @@ def _follow(path: Path) -> None:
 # Registered last so that `qm --help` lists the stack commands first.
 jobs.register(app)
 app.command("usage")(usage_command.usage)
+app.command("pools")(pools_command.pools)
 app.add_typer(fault_app, name="fault")
 
 try:  # the simulator is optional: `qm` works without it (sim.cli defers its heavy imports)

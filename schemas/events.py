@@ -314,8 +314,9 @@ class PoolStatus(Payload):
     max_nodes: int = Field(ge=0)
     desired_nodes: int = Field(ge=0)
     nodes: list[PoolNode] = Field(default_factory=list, max_length=10_000)
-    # The last provisioning failure (stockout, quota), while it lasts.
+    # The last provisioning failure (stockout, quota) and when, until a node comes.
     failing: str | None = Field(default=None, max_length=1000)
+    failed_at: datetime | None = None
 
 
 class ClusterCapacity(Payload):

@@ -80,7 +80,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     def announce_now() -> None:
         announce_due["capacity"] = 0.0
 
-    elastic = ElasticPools(pool_book, book, announce_now)
+    elastic = ElasticPools(pool_book, book, announce_now, lambda out: publish_all(broker, out))
     inventory: list[KubeInventory] = []  # the cluster's nodes, once connected
     outage = Outage()
     slowdowns = Slowdowns()

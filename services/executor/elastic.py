@@ -5,13 +5,17 @@ inventory announced again at once when it changed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 import structlog
+from pydantic import ValidationError
 
 from schemas.events import AutoscaleDecided
+from schemas.validation import describe_validation_error
 from services.common.consumer import Records
+from services.common.deadletter import dead_letter, decode_envelopes
+from services.common.kafka import OutMessage
 from services.executor.nodes import NodeBook
 from services.executor.pools import Change, PoolBook
 from services.executor.store import ExecutorStore, utcnow
@@ -25,8 +29,11 @@ class ElasticPools:
         book: PoolBook,
         nodes: NodeBook,
         announce: Callable[[], None],
+        publish: Callable[[list[OutMessage]], Awaitable[object]],
     ) -> None:
         self.book = book
+        self.publish = publish  # dead letters
+        self.consumer = f"executor/{book.cluster}/pools"
         self.nodes = nodes
         # The executor's lock (set at start): placements and node removals never interleave.
         self.changing = asyncio.Lock()
@@ -43,11 +50,13 @@ class ElasticPools:
         log.info("pools restored", nodes=len(members), pools=len(self.book.pools))
 
     async def handle(self, records: Records) -> None:
-        for got in records:
+        decoded, dead = decode_envelopes(records, consumer=self.consumer)
+        for got in decoded:
             try:
                 d = AutoscaleDecided.model_validate(got.envelope.payload)
-            except ValueError as error:
-                log.warning("autoscale decision not understood", error=str(error))
+            except ValidationError as error:
+                message = describe_validation_error(error)
+                dead.append(dead_letter(got.record, message, consumer=self.consumer))
                 continue
             if d.cluster != self.book.cluster:
                 continue
@@ -65,6 +74,8 @@ class ElasticPools:
                     reason=d.reason,
                 )
                 self.announce()
+        if dead:
+            await self.publish(dead)
 
     async def run_forever(self, every_s: float = 0.5) -> None:
         while True:

@@ -54,7 +54,7 @@ class PoolBook:
         # The next node number per pool: never reused, so a node id names one machine only
         # (the health service and the meter keep history by node id).
         self.next_seq = {p.name: 0 for p in pools}
-        self.failing: dict[str, str] = {}
+        self.failing: dict[str, tuple[str, datetime]] = {}
         self._rng = random.Random(seed)
 
     # --- members ----------------------------------------------------------------------------
@@ -142,7 +142,8 @@ class PoolBook:
                 dropped.append(self.members.pop(m.node_id))
                 self.failing[m.pool] = (
                     f"stockout: {pool.accelerator.type} x {pool.accelerators_per_node} "
-                    f"({pool.price_tier.value}) not available in {self.cluster}"
+                    f"({pool.price_tier.value}) not available in {self.cluster}",
+                    now,
                 )
             else:
                 m.ready_at = m.empty_since = now
@@ -171,7 +172,8 @@ class PoolBook:
                     min_nodes=pool.min_nodes,
                     max_nodes=pool.max_nodes,
                     desired_nodes=self.desired.get(name, pool.min_nodes),
-                    failing=self.failing.get(name),
+                    failing=self.failing[name][0] if name in self.failing else None,
+                    failed_at=self.failing[name][1] if name in self.failing else None,
                     nodes=[
                         PoolNode(
                             node_id=m.node_id,

@@ -11,7 +11,7 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import explain, problems, routes, store, usage
+from services.gateway import explain, pools, problems, routes, store, usage
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
 from services.gateway.explain import record_explanations
@@ -35,6 +35,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     problems.install(app)
     app.include_router(routes.router)
     app.include_router(explain.router)
+    app.include_router(pools.router)
     app.include_router(usage.router)
     holder: dict[str, Projector] = {}
 
@@ -56,6 +57,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     consumers.subscribe(
         topics.SCHEDULING_EXPLAINED, group_id=f"{settings.group_id}-explain", handle=explanations
+    )
+
+    async def pool_views(records: Records) -> None:
+        await consumers.publish(await pools.record_pools(app.state.gateway.pool, records))
+
+    consumers.subscribe(
+        *pools.POOL_TOPICS, group_id=f"{settings.group_id}-pools", handle=pool_views
     )
     consumers.subscribe(*PROJECTED, group_id=settings.group_id, handle=handle)
 

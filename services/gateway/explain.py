@@ -19,6 +19,7 @@ from services.gateway import store
 from services.gateway.auth import Principal
 from services.gateway.context import Gateway
 from services.gateway.deps import gateway, principal
+from services.gateway.pools import growing_for
 
 router = APIRouter(prefix="/v1")
 
@@ -30,6 +31,8 @@ class Explanation(BaseModel):
     message: str
     pending_jobs: int | None = None
     at: datetime | None = None
+    # A pool the autoscaler is growing for this job (while it waits for capacity).
+    growing: dict[str, Any] | None = None
 
 
 async def record_explanations(
@@ -68,14 +71,21 @@ async def explain_job(
             "SELECT codes, message, pending_jobs, at FROM gateway.explanations WHERE job_id = $1",
             job_id,
         )
+        growing = await growing_for(gw.pool, job_id)
+        if growing is not None:
+            growing["message"] = (
+                f"pool {growing['pool']} of {growing['cluster']} is growing to "
+                f"{growing['desired_nodes']} node(s) for it"
+            )
         if why is None:
             return Explanation(
                 job_id=job_id,
                 state=state.value,
                 codes=["awaiting_cycle"],
                 message="Waiting for the scheduler's next cycle to consider it.",
+                growing=growing,
             )
-        return Explanation(job_id=job_id, state=state.value, **dict(why))
+        return Explanation(job_id=job_id, state=state.value, growing=growing, **dict(why))
     if state.terminal:
         code = row["reason_code"] or state.value
         return Explanation(

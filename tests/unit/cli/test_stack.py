@@ -34,6 +34,7 @@ def test_one_executor_per_cluster_of_the_fleet(tmp_path: Path) -> None:
         "preemptor",
         "health",
         "meter",
+        "autoscaler",
         "scheduler-standby",
         "executor-a",
         "executor-b_c",
@@ -220,7 +221,7 @@ def test_stack_starts_records_and_stops_everything(
     try:
         record = json.loads((tmp_path / "st" / "stack.json").read_text())
         assert record["ready"] and record["token"] == "dev-vision"
-        assert len(record["services"]) == 7 + len(cluster_names(EXAMPLES / "fleet.yaml"))
+        assert len(record["services"]) == 8 + len(cluster_names(EXAMPLES / "fleet.yaml"))
         assert {s["name"]: s["how"] for s in record["servers"]}["postgres"] == "env"
         assert stack.alive()
     finally:

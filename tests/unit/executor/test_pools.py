@@ -95,7 +95,7 @@ def test_a_stockout_drops_the_request_and_says_so_until_a_node_comes() -> None:
     (status,) = book.status(idle)
     assert status.failing is not None and "stockout" in status.failing
     ok = PoolBook("cloud", pools(), time_scale=1.0)
-    ok.failing["burst"] = "stockout"
+    ok.failing["burst"] = ("stockout", T0)
     ok.apply(decided(1), T0, idle)
     ok.due(T0 + timedelta(seconds=180))
     assert "burst" not in ok.failing

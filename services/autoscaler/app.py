@@ -1,0 +1,224 @@
+"""The autoscaler service: reads the leading scheduler's demand, each cluster's elastic pools
+and spent budgets from the log, and sends `autoscale.decided` (a pool's size and the empty
+nodes to remove) for the executors to carry out; one `alert.raised` per pool whose
+provisioning fails. The decision is `core.autoscale.decide` (planner.py).
+
+It runs as a single instance (a Redis lease, like the health service): two would decide the
+same pools. Decisions are sizes, so one sent twice (a restart, a redelivery) buys nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+from fastapi import FastAPI
+from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ValidationError
+
+from core.fleet import load_pools
+from schemas import topics
+from schemas.events import CapacityDemand, ClusterCapacity
+from schemas.health import AlertRaised, Severity
+from schemas.ids import new_id
+from schemas.usage import BudgetExceeded
+from schemas.validation import describe_validation_error
+from services.autoscaler.planner import Plan, Planner
+from services.autoscaler.settings import AutoscalerSettings
+from services.common.bootstrap import open_outboxed
+from services.common.consumer import Consumers, Records
+from services.common.deadletter import dead_letter, decode_envelopes
+from services.common.kafka import OutMessage, envelope_for, make_broker
+from services.common.outbox import OutboxRelay
+from services.common.policyfile import load_policy, read_yaml
+from services.common.runtime import Runtime, create_http_app
+from services.common.singleton import singleton_for
+
+NAME = "autoscaler"
+MIGRATIONS = Path(__file__).parent / "migrations"
+log = structlog.get_logger()
+
+PAYLOADS: dict[str, type[BaseModel]] = {
+    topics.CAPACITY_DEMAND: CapacityDemand,
+    topics.CLUSTER_CAPACITY: ClusterCapacity,
+    topics.BUDGET_EXCEEDED: BudgetExceeded,
+}
+
+
+class AutoscalerMetrics:
+    def __init__(self, registry: Any) -> None:
+        self.decisions = Counter(
+            "qm_autoscaler_decisions", "Pool sizes sent", ["pool"], registry=registry
+        )
+        self.nodes_removed = Counter(
+            "qm_autoscaler_nodes_removed", "Empty nodes sent away", ["pool"], registry=registry
+        )
+        self.provisioning_failures = Counter(
+            "qm_autoscaler_provisioning_failures",
+            "Pools whose provisioning started failing (incidents)",
+            ["pool"],
+            registry=registry,
+        )
+        self.unserved = Gauge(
+            "qm_autoscaler_unserved_jobs",
+            "Jobs waiting for capacity that no pool was grown for",
+            registry=registry,
+        )
+        self.spend_rate = Gauge(
+            "qm_autoscaler_spend_per_hour",
+            "What the elastic pools' nodes (ready and provisioning) cost per hour",
+            registry=registry,
+        )
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
+    settings = settings or AutoscalerSettings()
+    runtime = Runtime(NAME, settings)
+    runtime.singleton = singleton_for(settings.redis_url, NAME, settings.singleton_ttl_s)
+    broker = make_broker(settings, NAME, runtime.registry)
+    policy = load_policy(settings.policy_file)
+    pools = [
+        p
+        for cluster_pools in load_pools(
+            read_yaml(settings.fleet_file), policy.accelerator_types, policy.prices
+        ).values()
+        for p in cluster_pools
+    ]
+    metrics = AutoscalerMetrics(runtime.registry)
+    state: dict[str, Any] = {}
+    consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
+
+    async def handle(records: Records) -> None:
+        planner: Planner = state["planner"]
+        decoded, dead = decode_envelopes(records, consumer=NAME)
+        for got in decoded:
+            try:
+                payload = PAYLOADS[got.record.topic].model_validate(got.envelope.payload)
+            except ValidationError as error:
+                message = describe_validation_error(error)
+                dead.append(dead_letter(got.record, message, consumer=NAME))
+                continue
+            at = got.envelope.occurred_at
+            if isinstance(payload, CapacityDemand):
+                planner.on_demand(payload, at)
+            elif isinstance(payload, ClusterCapacity):
+                planner.on_capacity(payload, at)
+            elif isinstance(payload, BudgetExceeded):
+                planner.on_budget(payload)
+        if dead:
+            relay: OutboxRelay = state["relay"]
+            async with relay.transaction() as tx:
+                tx.emit(dead)
+
+    consumers.subscribe(*PAYLOADS, group_id=settings.group_id, handle=handle)
+
+    async def decide_loop() -> None:
+        while True:
+            await asyncio.sleep(settings.decide_every_s)
+            try:
+                await decide_once()
+            except Exception as error:  # the store may be away: the next round tries again
+                log.warning("autoscale round failed", error=str(error))
+
+    async def decide_once() -> None:
+        planner: Planner = state["planner"]
+        plan = planner.plan(utcnow())
+        metrics.unserved.set(len(plan.unserved))
+        metrics.spend_rate.set(_spend_rate(planner))
+        out = _messages(plan)
+        if not out:
+            return
+        relay: OutboxRelay = state["relay"]
+        async with relay.transaction() as tx:
+            tx.emit(out)
+        for d in plan.decisions:
+            metrics.decisions.labels(d.pool).inc()
+            metrics.nodes_removed.labels(d.pool).inc(len(d.remove))
+            log.info(
+                "pool size decided",
+                pool=d.pool,
+                cluster=d.cluster,
+                desired=d.desired_nodes,
+                remove=d.remove,
+                for_jobs=len(d.for_jobs),
+                reason=d.reason,
+            )
+        for incident in plan.incidents:
+            metrics.provisioning_failures.labels(incident.pool).inc()
+            log.warning("pool provisioning failing", pool=incident.pool, cause=incident.cause)
+
+    @runtime.on_startup
+    async def start() -> None:
+        schema = NAME
+        pool, relay = await open_outboxed(
+            runtime, broker, consumers, schema=schema, migrations=MIGRATIONS
+        )
+        del pool
+        state["relay"] = relay
+        state["planner"] = Planner(
+            pools,
+            time_scale=settings.time_scale,
+            started_at=utcnow(),
+            spot_for_preemptible_only=policy.placement.spot_for_preemptible_only,
+            resend_after_s=settings.resend_after_s,
+            demand_stale_s=settings.demand_stale_s,
+            failing_pause_s=settings.failing_pause_s,
+        )
+        runtime.background(decide_loop)
+        await broker.start()
+        log.info("autoscaler started", pools=[p.name for p in pools])
+
+    app = create_http_app(runtime)
+    app.state.runtime = runtime
+    app.state.autoscaler = state
+    return app
+
+
+def _messages(plan: Plan) -> list[OutMessage]:
+    out = [
+        OutMessage(
+            topics.AUTOSCALE_DECIDED,
+            d.cluster,
+            envelope_for("AutoscaleDecided", d, producer=NAME),
+        )
+        for d in plan.decisions
+    ]
+    for incident in plan.incidents:
+        alert = AlertRaised(
+            alert_id=new_id(),
+            severity=Severity.WARNING,
+            subject=incident.pool,
+            cluster=incident.cluster,
+            cause=incident.cause,
+            suggested_action=(
+                "demand goes to the next cheapest pool meanwhile; check the provider's "
+                "capacity or quota for this pool, or lower its max_nodes"
+            ),
+            first_seen=incident.since,
+            count=1,
+        )
+        out.append(
+            OutMessage(
+                topics.ALERT_RAISED,
+                incident.pool,
+                envelope_for("AlertRaised", alert, producer=NAME),
+            )
+        )
+    return out
+
+
+def _spend_rate(planner: Planner) -> float:
+    total = 0.0
+    for cap in planner.capacity.values():
+        for s in cap.pools:
+            pool = planner.pools.get(s.pool)
+            if pool is not None:
+                total += len(s.nodes) * pool.node_price_per_hour
+    return total
