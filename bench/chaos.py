@@ -44,7 +44,7 @@ from aiokafka import AIOKafkaProducer
 from bench.machine import describe
 from cli import infra
 from cli.stack import PROJECT_ROOT, Service, Stack
-from core.fleet import load_fleet
+from core.fleet import load_fleet, load_pools
 from schemas import topics
 from schemas.envelope import Envelope
 from services.common.policyfile import load_policy, read_yaml
@@ -337,9 +337,22 @@ def overcommitted_nodes(
     `detail`, when given, receives each such node's run edges up to the first excess (the
     forensics a failed audit prints)."""
     policy = load_policy(PROJECT_ROOT / "examples" / "policy.yaml")
-    _, nodes = load_fleet(
-        read_yaml(PROJECT_ROOT / "examples" / "fleet.yaml"), policy.accelerator_types
-    )
+    doc = read_yaml(PROJECT_ROOT / "examples" / "fleet.yaml")
+    _, fixed = load_fleet(doc, policy.accelerator_types)
+    devices = {str(n): node.accelerators for n, node in fixed.items()}
+    # Elastic pools' nodes are named <cluster>-<pool>-<number> (services/executor/pools.py).
+    pool_sizes = {
+        f"{cluster}-{p.name}-": p.accelerators_per_node
+        for cluster, pools in load_pools(doc, policy.accelerator_types, policy.prices).items()
+        for p in pools
+    }
+
+    def size(node: str) -> int:
+        if node in devices:
+            return devices[node]
+        prefix = node.rsplit("-", 1)[0] + "-"
+        return pool_sizes[prefix]
+
     # Two leaders may have placed one attempt (the deposed one's copy is refused by the
     # executor): a run's devices are those of the copy whose nodes it started on.
     placements: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
@@ -376,7 +389,7 @@ def overcommitted_nodes(
     for at, _starts, amount, node, run in sorted(timeline):  # ends before starts at one instant
         use[node] += amount
         seen[node].append(f"{at} {amount:+g} -> {use[node]:g} {run}")
-        if use[node] > nodes[node].accelerators + 1e-9:  # type: ignore[index]
+        if use[node] > size(node) + 1e-9:
             if detail is not None and node not in bad and len(detail) < 3:
                 detail[node] = seen[node][-8:]
             bad.add(node)

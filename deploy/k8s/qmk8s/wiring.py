@@ -49,6 +49,7 @@ SERVICES: dict[str, Needs] = {
     "preemptor": _needs("kafka postgres", "policy_file"),
     "meter": _needs("kafka postgres redis", "policy_file fleet_file budgets_file"),
     "health": _needs("kafka postgres redis", "health_file"),
+    "autoscaler": _needs("kafka postgres redis", "policy_file fleet_file"),
     "executor": _needs("kafka postgres", "policy_file fleet_file"),
 }
 STORE_SETTING = {"postgres": "QM_DATABASE_URL", "redis": "QM_REDIS_URL"}
