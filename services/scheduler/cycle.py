@@ -383,12 +383,26 @@ class Cycle:
         """The pending jobs that wait for capacity alone, head of the queue first, for the
         autoscaler: when that set changes, and every DEMAND_EVERY_S anyway (so an autoscaler
         that starts hears it soon)."""
-        items = []
+        waiting: list[tuple[JobId, tuple[str, ...]]] = []
         for job_id, why in pending.items():
             codes = {str(c) for c in why.codes}
-            job = self.state.pending.get(job_id)
-            if job is None or not codes & CAPACITY_CODES or codes & NOT_FOR_CAPACITY:
+            if job_id not in self.state.pending:
                 continue
+            if not codes & CAPACITY_CODES or codes & NOT_FOR_CAPACITY:
+                continue
+            waiting.append((job_id, tuple(sorted(codes))))
+            if len(waiting) >= DEMAND_MAX:
+                break
+        signature = tuple(waiting)
+        last = self.demand_sent
+        if not signature and (last is None or not last[0]):
+            return None  # nothing waits for capacity, and nobody was told otherwise
+        if last is not None and last[0] == signature and now - last[1] < DEMAND_EVERY_S:
+            return None
+        # Built only when it goes out: most cycles change nothing here.
+        items = []
+        for job_id, held_codes in waiting:
+            job = self.state.pending[job_id]
             items.append(
                 DemandItem(
                     job_id=job_id,
@@ -402,17 +416,9 @@ class Cycle:
                     topology=job.topology.value,
                     topology_required=job.topology_required,
                     preemptible=job.preemptible,
-                    codes=sorted(codes),
+                    codes=list(held_codes),
                 )
             )
-            if len(items) >= DEMAND_MAX:
-                break
-        signature = tuple((i.job_id, tuple(i.codes)) for i in items)
-        last = self.demand_sent
-        if not signature and (last is None or not last[0]):
-            return None  # nothing waits for capacity, and nobody was told otherwise
-        if last is not None and last[0] == signature and now - last[1] < DEMAND_EVERY_S:
-            return None
         event = CapacityDemand(
             scheduler=self.leader,
             epoch=epoch,

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ import yaml
 from cli import infra
 from cli.stack import PROJECT_ROOT, Service, Stack
 from schemas import topics
+from schemas.envelope import Envelope
+from schemas.usage import BudgetExceeded, BudgetUnit, Enforcement
 from tests.conftest import fresh_database, private_kafka, private_redis
-from tests.integration.kafka_tools import collect
+from tests.integration.kafka_tools import collect, produce
 
 ADMIN = {"Authorization": "Bearer dev-admin"}
 VISION = {"Authorization": "Bearer dev-vision"}
+NLP = {"Authorization": "Bearer dev-nlp"}  # its budget is spent in the second test
 TIME_SCALE = 60.0  # provisioning 120 fleet s = 2 s; cool-down 300 fleet s = 5 s
 
 
@@ -275,3 +279,58 @@ async def test_a_waiting_gang_grows_a_pool_past_a_stockout_and_the_nodes_go_afte
     assert set(by_name) == {"cheap", "dear"}
     assert "stockout" in (by_name["cheap"]["failing"] or "")
     assert [d["desired_nodes"] for d in by_name["dear"]["decisions"]][:2] == [0, 2]
+
+
+async def test_a_tenant_whose_budget_is_spent_grows_nothing(
+    autoscale_stack: Stack, client: httpx.AsyncClient
+) -> None:
+    """nlp's budget blocks; its gang waits for capacity like vision's, but only vision's grows a
+    pool. nlp's job is in the demand the decision was taken on (it came first and cannot have
+    started before any node was bought), so the decision's job list shows the budget at work."""
+    bootstrap = autoscale_stack.server("kafka").url
+    now = datetime.now(UTC)
+    spent = BudgetExceeded(
+        budget_id="nlp-cloud",
+        tenant="nlp",
+        month=now.strftime("%Y-%m"),
+        unit=BudgetUnit.CURRENCY,
+        limit=1000,
+        used=1000,
+        threshold_pct=100,
+        enforcement=Enforcement.BLOCK,
+        crossed_at=now,
+        message="nlp spent its monthly budget",
+    )
+    envelope = Envelope(type="BudgetExceeded", payload=spent.model_dump(mode="json"))
+    await produce(bootstrap, topics.BUDGET_EXCEEDED, [("nlp", envelope.model_dump_json().encode())])
+    shape = {
+        "replicas": 2,
+        "resources": {"accelerators": 8, "accelerator_types": ["A100"]},
+        "labels": {"sim_duration_s": "60"},
+    }
+    blocked = await submit(client, shape, NLP)
+    await collect(
+        bootstrap,
+        (topics.CAPACITY_DEMAND,),
+        lambda _t, e: blocked in {j["job_id"] for j in e["payload"]["jobs"]},
+        count=1,
+        timeout_s=60,
+    )
+    served = await submit(client, shape, VISION)
+    (decision,) = await collect(
+        bootstrap,
+        (topics.AUTOSCALE_DECIDED,),
+        lambda _t, e: served in e["payload"]["for_jobs"],
+        count=1,
+        timeout_s=60,
+    )
+    assert blocked not in decision[1]["payload"]["for_jobs"], decision
+    # The budget keeps nlp from buying capacity, not from using what exists: both finish
+    # (nlp's on nodes bought for vision), and no decision ever named nlp's job.
+    for job_id in (served, blocked):
+        done = await wait_state(client, job_id, {"succeeded", "failed", "canceled"}, timeout_s=120)
+        assert done["state"] == "succeeded", done
+    decisions = await collect(
+        bootstrap, (topics.AUTOSCALE_DECIDED,), lambda _t, _e: True, count=10_000, timeout_s=3
+    )
+    assert not any(blocked in e[1]["payload"]["for_jobs"] for e in decisions)
