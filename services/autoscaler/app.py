@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 from fastapi import FastAPI
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel, ValidationError
 
 from core.fleet import load_pools
@@ -60,6 +60,17 @@ class AutoscalerMetrics:
             "qm_autoscaler_provisioning_failures",
             "Pools whose provisioning started failing (incidents)",
             ["pool"],
+            registry=registry,
+        )
+        self.scale_up = Histogram(
+            "qm_autoscaler_scale_up_seconds",
+            "From a pool node's request until it is ready (wall seconds)",
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600),
+            registry=registry,
+        )
+        self.idle_node_hours = Counter(
+            "qm_autoscaler_idle_node_hours",
+            "Hours pool nodes sat ready and empty (paid for, unused)",
             registry=registry,
         )
         self.unserved = Gauge(
@@ -109,7 +120,10 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
             if isinstance(payload, CapacityDemand):
                 planner.on_demand(payload, at)
             elif isinstance(payload, ClusterCapacity):
-                planner.on_capacity(payload, at)
+                seen = planner.on_capacity(payload, at)
+                for seconds in seen.ready_after_s:
+                    metrics.scale_up.observe(seconds)
+                metrics.idle_node_hours.inc(seen.idle_node_s / 3600.0)
             elif isinstance(payload, BudgetExceeded):
                 planner.on_budget(payload)
         if dead:

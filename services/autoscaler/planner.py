@@ -37,6 +37,12 @@ class Incident:
 
 
 @dataclass
+class Observed:
+    ready_after_s: list[float] = field(default_factory=list)
+    idle_node_s: float = 0.0
+
+
+@dataclass
 class Plan:
     decisions: list[AutoscaleDecided] = field(default_factory=list)
     # Pools that just started failing (stockout, quota): one alert each.
@@ -66,6 +72,7 @@ class Planner:
         self.demand: CapacityDemand | None = None
         self.demand_at: datetime | None = None
         self.capacity: dict[str, ClusterCapacity] = {}
+        self.capacity_at: dict[str, datetime] = {}
         self.fresh: set[str] = set()  # clusters with an inventory from after our start
         # (tenant, month) whose budget is spent or blocks.
         self.blocked: set[tuple[str, str]] = set()
@@ -81,10 +88,30 @@ class Planner:
             return  # a deposed leader's view
         self.demand, self.demand_at = d, at
 
-    def on_capacity(self, c: ClusterCapacity, at: datetime) -> None:
+    def on_capacity(self, c: ClusterCapacity, at: datetime) -> Observed:
+        """Take in an inventory; what it shows since the previous one: nodes that became
+        ready (with how long they took) and the node-seconds pool nodes sat empty."""
+        before = self.capacity.get(c.cluster)
+        before_at = self.capacity_at.get(c.cluster)
         self.capacity[c.cluster] = c
+        self.capacity_at[c.cluster] = at
         if at >= self.started_at:
             self.fresh.add(c.cluster)
+        seen = Observed()
+        if before is None or before_at is None or at <= before_at:
+            return seen
+        was = {n.node_id: n for s in before.pools for n in s.nodes}
+        span = (at - before_at).total_seconds()
+        for s in c.pools:
+            for n in s.nodes:
+                old = was.get(n.node_id)
+                if n.state is PoolNodeState.READY and n.ready_at is not None:
+                    if old is not None and old.state is PoolNodeState.PROVISIONING:
+                        seen.ready_after_s.append((n.ready_at - n.requested_at).total_seconds())
+                    idle_before = old is not None and old.state is PoolNodeState.READY
+                    if n.used <= 0 and idle_before and old is not None and old.used <= 0:
+                        seen.idle_node_s += span
+        return seen
 
     def on_budget(self, b: BudgetExceeded) -> None:
         spent = b.threshold_pct >= 100 and b.project is None

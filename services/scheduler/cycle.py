@@ -42,7 +42,10 @@ from services.scheduler.working import WorkingSet
 
 log = structlog.get_logger()
 EXPLAIN_EVERY_S = 10.0
-# The capacity demand goes out when it changes and at least this often (wall seconds).
+# The capacity demand goes out when it changes, at most every DEMAND_MIN_GAP_S (it can be 2,000
+# jobs long, and under a burst it changes every cycle; the autoscaler decides every 2 s), and at
+# least every DEMAND_EVERY_S (wall seconds).
+DEMAND_MIN_GAP_S = 1.0
 DEMAND_EVERY_S = 15.0
 DEMAND_MAX = 2000
 # A job waits for capacity when one of these explains it, and none of the others below.
@@ -381,8 +384,11 @@ class Cycle:
         self, pending: Mapping[JobId, PendingExplanation], epoch: int, now: float
     ) -> tuple[OutMessage, tuple[object, ...]] | None:
         """The pending jobs that wait for capacity alone, head of the queue first, for the
-        autoscaler: when that set changes, and every DEMAND_EVERY_S anyway (so an autoscaler
-        that starts hears it soon)."""
+        autoscaler: when that set changes (at most every DEMAND_MIN_GAP_S), and every
+        DEMAND_EVERY_S anyway (so an autoscaler that starts hears it soon)."""
+        last = self.demand_sent
+        if last is not None and now - last[1] < DEMAND_MIN_GAP_S:
+            return None
         waiting: list[tuple[JobId, tuple[str, ...]]] = []
         for job_id, why in pending.items():
             codes = {str(c) for c in why.codes}
@@ -394,7 +400,6 @@ class Cycle:
             if len(waiting) >= DEMAND_MAX:
                 break
         signature = tuple(waiting)
-        last = self.demand_sent
         if not signature and (last is None or not last[0]):
             return None  # nothing waits for capacity, and nobody was told otherwise
         if last is not None and last[0] == signature and now - last[1] < DEMAND_EVERY_S:

@@ -170,3 +170,22 @@ def test_an_empty_node_goes_after_the_cooldown() -> None:
     assert p.plan(T0 + timedelta(seconds=599)).decisions == []
     (d,) = p.plan(T0 + timedelta(seconds=600)).decisions
     assert (d.desired_nodes, d.remove) == (1, ["cloud-burst-0000"])
+
+
+def test_inventories_tell_how_long_nodes_took_and_how_long_they_sat_empty() -> None:
+    p = planner()
+    coming = PoolNode(node_id="n0", state=PoolNodeState.PROVISIONING, requested_at=T0)
+    assert p.on_capacity(capacity(status(nodes=[coming])), T0).ready_after_s == []
+    ready = PoolNode(
+        node_id="n0",
+        state=PoolNodeState.READY,
+        requested_at=T0,
+        ready_at=T0 + timedelta(seconds=180),
+        empty_since=T0 + timedelta(seconds=180),
+    )
+    seen = p.on_capacity(capacity(status(nodes=[ready])), T0 + timedelta(seconds=200))
+    assert seen.ready_after_s == [180.0] and seen.idle_node_s == 0.0
+    seen = p.on_capacity(capacity(status(nodes=[ready])), T0 + timedelta(seconds=230))
+    assert seen.ready_after_s == [] and seen.idle_node_s == 30.0
+    # An inventory older than the last one (read late) counts nothing.
+    assert p.on_capacity(capacity(status(nodes=[ready])), T0).idle_node_s == 0.0
