@@ -188,11 +188,21 @@ def load_pools(
     names: set[str] = set()
     for i, raw in enumerate(doc["clusters"]):
         cluster = clusters[ClusterId(raw["name"])]
+        prefixes = {
+            str(g.get("prefix", "node"))
+            for g in raw.get("node_groups") or []
+            if isinstance(g, Mapping)
+        }
         for j, group in enumerate(raw.get("node_pools") or []):
             where = f"clusters[{i}].node_pools[{j}]"
             pool = _pool(cluster, group, where, accelerator_types or {}, fallback_prices or {})
             if pool.name in names:
                 raise FleetError(f"{where}: duplicate pool name {pool.name!r}")
+            if pool.name in prefixes:
+                raise FleetError(
+                    f"{where}: pool {pool.name!r} has the name of a node group's prefix; their "
+                    "node ids would collide"
+                )
             names.add(pool.name)
             pools.setdefault(cluster.cluster_id, []).append(pool)
     return pools

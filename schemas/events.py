@@ -372,6 +372,9 @@ class AutoscaleDecided(Payload):
     remove: list[str] = Field(default_factory=list, max_length=10_000)
     for_jobs: list[str] = Field(default_factory=list, max_length=2000)
     reason: str = Field(default="", max_length=2000)
+    # When the inventory the decision was taken on was sent: nodes asked for after it are
+    # not the decision's to cancel.
+    inventory_at: datetime | None = None
 
 
 class NodeHeartbeat(Payload):

@@ -109,6 +109,7 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
     async def handle(records: Records) -> None:
         planner: Planner = state["planner"]
         decoded, dead = decode_envelopes(records, consumer=NAME)
+        blocks: list[tuple[str, str]] = []
         for got in decoded:
             try:
                 payload = PAYLOADS[got.record.topic].model_validate(got.envelope.payload)
@@ -124,8 +125,14 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
                 for seconds in seen.ready_after_s:
                     metrics.scale_up.observe(seconds)
                 metrics.idle_node_hours.inc(seen.idle_node_s / 3600.0)
-            elif isinstance(payload, BudgetExceeded):
-                planner.on_budget(payload)
+            elif isinstance(payload, BudgetExceeded) and planner.on_budget(payload):
+                blocks.append((payload.tenant, payload.month))
+        if blocks:
+            await state["pool"].executemany(
+                "INSERT INTO autoscaler.budget_blocks (tenant, month) VALUES ($1, $2)"
+                " ON CONFLICT DO NOTHING",
+                blocks,
+            )
         if dead:
             relay: OutboxRelay = state["relay"]
             async with relay.transaction() as tx:
@@ -174,9 +181,9 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
         pool, relay = await open_outboxed(
             runtime, broker, consumers, schema=schema, migrations=MIGRATIONS
         )
-        del pool
         state["relay"] = relay
-        state["planner"] = Planner(
+        state["pool"] = pool
+        planner = Planner(
             pools,
             time_scale=settings.time_scale,
             started_at=utcnow(),
@@ -185,6 +192,12 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
             demand_stale_s=settings.demand_stale_s,
             failing_pause_s=settings.failing_pause_s,
         )
+        month = utcnow().strftime("%Y-%m")
+        rows = await pool.fetch(
+            "SELECT tenant, month FROM autoscaler.budget_blocks WHERE month >= $1", month
+        )
+        planner.blocked |= {(r["tenant"], r["month"]) for r in rows}
+        state["planner"] = planner
         runtime.background(decide_loop)
         await broker.start()
         log.info("autoscaler started", pools=[p.name for p in pools])

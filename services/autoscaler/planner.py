@@ -11,7 +11,7 @@ before a restart is seen in the pool's nodes (provisioning) rather than made aga
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from core.autoscale import Demand, NodePool, decide
@@ -113,10 +113,13 @@ class Planner:
                         seen.idle_node_s += span
         return seen
 
-    def on_budget(self, b: BudgetExceeded) -> None:
+    def on_budget(self, b: BudgetExceeded) -> bool:
+        """A tenant-wide budget spent (blocking or deprioritizing): True if it blocks now."""
         spent = b.threshold_pct >= 100 and b.project is None
         if spent and b.enforcement in (Enforcement.BLOCK, Enforcement.DEPRIORITIZE):
             self.blocked.add((b.tenant, b.month))
+            return True
+        return False
 
     # --- deciding ---------------------------------------------------------------------------
 
@@ -129,12 +132,14 @@ class Planner:
             if s.pool in self.pools
         }
         self._incidents(status, now, plan)
+        # A paused pool (its last request failed lately) buys nothing (its maximum is what it
+        # has) but still lets its empty nodes go.
         ready = [
-            p
+            replace(p, max_nodes=len(status[name][1].nodes))
+            if self._paused(status[name][1], now)
+            else p
             for name, p in self.pools.items()
-            if name in status
-            and status[name][0] in self.fresh
-            and not self._paused(status[name][1], now)
+            if name in status and status[name][0] in self.fresh
         ]
         if not ready:
             self.last_plan = plan
@@ -163,6 +168,7 @@ class Planner:
                     remove=list(remove),
                     for_jobs=list(d.for_jobs),
                     reason=d.reason,
+                    inventory_at=self.capacity_at.get(cluster),
                 )
             )
             self.sent[d.pool] = (desired, remove, now)
@@ -219,7 +225,10 @@ class Planner:
             if s.failing and name not in self.failing:
                 incident = Incident(name, cluster, s.failing, now)
                 self.failing[name] = incident
-                plan.incidents.append(incident)
+                # A failure from before this process started was alerted by the one before
+                # (or it died first: one alert lost rather than one per restart).
+                if s.failed_at is None or s.failed_at >= self.started_at:
+                    plan.incidents.append(incident)
             elif not s.failing and name in self.failing:
                 del self.failing[name]
 

@@ -69,9 +69,15 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         if n.cluster == cluster_name and not kubernetes
     }
     book = NodeBook(nodes)
+    # Elastic pools on the simulated fleet only (the kubernetes backend does not carry out
+    # pool decisions yet: docs/autoscaler.md); on Kubernetes none are announced.
     pool_book = PoolBook(
         cluster_name,
-        load_pools(fleet_doc, policy.accelerator_types, policy.prices).get(cluster.cluster_id, []),
+        []
+        if kubernetes
+        else load_pools(fleet_doc, policy.accelerator_types, policy.prices).get(
+            cluster.cluster_id, []
+        ),
         settings.time_scale,
         settings.fault_seed,
     )

@@ -39,6 +39,7 @@ class ElasticPools:
         self.changing = asyncio.Lock()
         self.announce = announce
         self.store: ExecutorStore | None = None
+        self.unsaved = False
 
     async def start(self, store: ExecutorStore) -> None:
         """The stored pools; ready nodes go into the node book before the runs are booked."""
@@ -61,7 +62,7 @@ class ElasticPools:
             if d.cluster != self.book.cluster:
                 continue
             async with self.changing:
-                change = self.book.apply(d, utcnow(), self.nodes.used)
+                change = self.book.apply(d, utcnow(), self.nodes.busy)
                 self._carry_out(change)
                 await self._save()
             if change.asked or change.dropped:
@@ -87,9 +88,11 @@ class ElasticPools:
 
     async def tick(self, now: datetime) -> None:
         async with self.changing:
-            self.book.note_use(self.nodes.used, now)
+            self.book.note_use(self.nodes.busy, now)
             change = self.book.due(now)
             if not change.joined and not change.dropped:
+                if self.unsaved:
+                    await self._save()
                 return
             self._carry_out(change)
             await self._save()
@@ -107,5 +110,9 @@ class ElasticPools:
                 log.error("pool node dropped while booked", node=m.node_id)
 
     async def _save(self) -> None:
-        if self.store is not None:
-            await self.store.save_pools(self.book)
+        """Store the pools; until that succeeds every tick tries again (memory is ahead)."""
+        if self.store is None:
+            return
+        self.unsaved = True
+        await self.store.save_pools(self.book)
+        self.unsaved = False

@@ -128,10 +128,17 @@ class NodeBook:
     def remove(self, node_id: str) -> bool:
         """Forget a node nothing is booked on (an elastic pool's node going away)."""
         use = self.use.get(node_id)
-        if use is None or self.used(node_id) > EPS or use.cpu > EPS or use.memory_gb > EPS:
+        if use is None or self.busy(node_id):
             return False
         del self.use[node_id]
         return True
+
+    def busy(self, node_id: str) -> bool:
+        """Whether anything is booked on the node (accelerators, CPU or memory)."""
+        use = self.use.get(node_id)
+        if use is None:
+            return False
+        return self.used(node_id) > EPS or use.cpu > EPS or use.memory_gb > EPS
 
     def used(self, node_id: str) -> float:
         """Accelerators booked on the node (0 for a node not here)."""

@@ -94,27 +94,32 @@ class PoolBook:
 
     # --- decisions and time -------------------------------------------------------------------
 
-    def apply(self, d: AutoscaleDecided, now: datetime, used: Callable[[str], float]) -> Change:
-        """Set the pool's size: ask for the nodes missing, drop those named if empty (a node
-        that took work meanwhile stays: the autoscaler will look again) and provisioning ones
-        beyond the size, newest first."""
+    def apply(self, d: AutoscaleDecided, now: datetime, busy: Callable[[str], bool]) -> Change:
+        """Set the pool's size: ask for the nodes missing, drop those named if nothing is
+        booked on them (one that took work meanwhile stays, and counts on top of the size: the
+        autoscaler will look again), and provisioning ones beyond the size, newest first —
+        never one asked for after the inventory the decision was taken on."""
         pool = self.pools.get(d.pool)
         if pool is None or d.cluster != self.cluster:
             return Change([], [], [])
-        dropped = []
+        dropped, kept = [], 0
         for node_id in d.remove:
             m = self.members.get(node_id)
-            empty = m is not None and m.ready_at is not None and used(node_id) <= EPS
-            if empty and m is not None and m.pool == pool.name:
+            if m is None or m.pool != pool.name or m.ready_at is None:
+                continue
+            if busy(node_id):
+                kept += 1
+            else:
                 dropped.append(self.members.pop(node_id))
-        size = max(pool.min_nodes, min(d.desired_nodes, pool.max_nodes))
+        size = max(pool.min_nodes, min(d.desired_nodes + kept, pool.max_nodes))
         self.desired[pool.name] = size
         live = self.of(pool.name)
         extra = len(live) - size
         for m in sorted(live, key=lambda m: m.requested_at, reverse=True):
             if extra <= 0:
                 break
-            if m.ready_at is None:
+            newer = d.inventory_at is not None and m.requested_at > d.inventory_at
+            if m.ready_at is None and not newer:
                 dropped.append(self.members.pop(m.node_id))
                 extra -= 1
         asked = []
@@ -151,11 +156,11 @@ class PoolBook:
                 joined.append(m)
         return Change([], dropped, joined)
 
-    def note_use(self, used: Callable[[str], float], now: datetime) -> None:
+    def note_use(self, busy: Callable[[str], bool], now: datetime) -> None:
         for m in self.members.values():
             if m.ready_at is None:
                 continue
-            if used(m.node_id) > EPS:
+            if busy(m.node_id):
                 m.empty_since = None
             elif m.empty_since is None:
                 m.empty_since = now

@@ -16,7 +16,7 @@ from datetime import datetime
 
 from schemas.health import Severity, SignalKind
 from services.health import machine
-from services.health.machine import NodeHealth, Signal, Verdict
+from services.health.machine import NodeHealth, NodeState, Signal, Verdict
 from services.health.pace import Straggle, Track
 from services.health.rules import HEARTBEAT_LOST, HealthRules
 
@@ -90,9 +90,11 @@ class Changes:
     alerts: list[str] = field(default_factory=list)  # incident ids that raise their alert
     tracks: dict[str, Track | None] = field(default_factory=dict)  # by job id; None: dropped
     stragglers: list[Straggle] = field(default_factory=list)  # nodes that just became one
+    # Nodes no longer watched: their executor's inventory stopped listing them.
+    dropped: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.nodes or self.incidents or self.tracks)
+        return bool(self.nodes or self.incidents or self.tracks or self.dropped)
 
 
 @dataclass
@@ -106,6 +108,8 @@ class HealthBook:
 
     def apply(self, changes: Changes) -> None:
         self.nodes.update(changes.nodes)
+        for node_id in changes.dropped:
+            self.nodes.pop(node_id, None)
         for inc in changes.incidents.values():
             if inc.closed_at is None:
                 self.incidents[inc.incident_id] = inc
@@ -130,11 +134,18 @@ class Draft:
         self.unknown_signals = 0
 
     def node(self, node_id: str) -> NodeHealth | None:
+        if node_id in self.changes.dropped:
+            return self.changes.nodes.get(node_id)
         return self.changes.nodes.get(node_id) or self.book.nodes.get(node_id)
 
     def put(self, node: NodeHealth) -> None:
         if self.node(node.node_id) != node:
             self.changes.nodes[node.node_id] = node
+            self.changes.dropped.discard(node.node_id)
+
+    def drop(self, node_id: str) -> None:
+        self.changes.nodes.pop(node_id, None)
+        self.changes.dropped.add(node_id)
 
     def incident(self, incident_id: str | None) -> Incident | None:
         if incident_id is None:
@@ -198,10 +209,19 @@ def heartbeats_seen(draft: Draft, beats: Iterable[Beat]) -> None:
 
 
 def inventory_seen(draft: Draft, cluster: str, node_ids: Iterable[str], at: datetime) -> None:
-    """Nodes an executor lists are watched from now on, even if they never heartbeat."""
-    for node_id in node_ids:
+    """Nodes an executor lists are watched from now on, even if they never heartbeat. A node
+    its inventory no longer lists (an elastic pool's node removed, a Node object deleted) is
+    gone, not silent: it is no longer watched, unless it is quarantined (its incident stays
+    until it is back)."""
+    listed = set(node_ids)
+    for node_id in listed:
         if draft.node(node_id) is None:
             draft.put(NodeHealth(node_id, cluster, last_heard=at))
+    for node in draft.all_nodes():
+        if node.cluster != cluster or node.node_id in listed:
+            continue
+        if node.state is not NodeState.UNHEALTHY:
+            draft.drop(node.node_id)
 
 
 def probes_seen(draft: Draft, probes: Iterable[Seen], now: datetime) -> int:

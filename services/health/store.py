@@ -49,6 +49,10 @@ async def load_book(pool: asyncpg.Pool) -> HealthBook:
 
 
 async def save(conn: asyncpg.Connection, changes: Changes) -> None:
+    if changes.dropped:
+        await conn.execute(
+            "DELETE FROM health.nodes WHERE node_id = ANY($1::text[])", sorted(changes.dropped)
+        )
     await _save_nodes(conn, sorted(changes.nodes.values(), key=lambda n: n.node_id))
     await _save_incidents(conn, list(changes.incidents.values()))
     await _save_tracks(conn, changes.tracks)

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 
 import structlog
 from faststream.kafka import KafkaBroker
+from pydantic import ValidationError
 
 from core.cycle import decide
 from core.decisions import PreemptionDecision
@@ -408,8 +409,8 @@ class Cycle:
         items = []
         for job_id, held_codes in waiting:
             job = self.state.pending[job_id]
-            items.append(
-                DemandItem(
+            try:
+                item = DemandItem(
                     job_id=job_id,
                     tenant=job.tenant,
                     replicas=job.replicas,
@@ -423,7 +424,12 @@ class Cycle:
                     preemptible=job.preemptible,
                     codes=list(held_codes),
                 )
-            )
+            except ValidationError as error:
+                # A job.queued no queue would have sent (written to the topic by hand): it
+                # grows nothing, and it never stops a cycle.
+                log.warning("job left out of the demand", job_id=job_id, error=str(error))
+                continue
+            items.append(item)
         event = CapacityDemand(
             scheduler=self.leader,
             epoch=epoch,

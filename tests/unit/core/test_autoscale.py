@@ -175,3 +175,26 @@ def test_decisions_stay_within_limits_and_buy_only_what_the_demand_can_use(
     need = sum(d.job.total_accelerators for d in demand if d.job.job_id in matched)
     if added:
         assert need > (len(nodes[p.name]) + added - 1) * p.accelerators_per_node - 1e-9
+
+
+def test_a_pool_may_not_take_a_node_groups_name() -> None:
+    import pytest
+
+    from core.errors import FleetError
+    from core.fleet import load_pools
+
+    doc = {
+        "clusters": [
+            {
+                "name": "c",
+                "prices": {"H100": {"on_demand": 4.0}},
+                "node_groups": [{"prefix": "h100", "count": 1, "accelerator_type": "H100"}],
+                "node_pools": [{"name": "h100", "accelerator_type": "H100", "max_nodes": 2}],
+            }
+        ]
+    }
+    with pytest.raises(FleetError, match="collide"):
+        load_pools(doc, MODELS)
+    doc["clusters"][0]["node_pools"][0]["name"] = "burst"  # type: ignore[index]
+    (p,) = load_pools(doc, MODELS)["c"]  # type: ignore[index]
+    assert (p.name, p.price, p.max_nodes) == ("burst", 4.0, 2)

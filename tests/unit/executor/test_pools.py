@@ -38,8 +38,8 @@ def decided(size: int, remove: tuple[str, ...] = ()) -> AutoscaleDecided:
     return AutoscaleDecided(cluster="cloud", pool="burst", desired_nodes=size, remove=list(remove))
 
 
-def idle(_node_id: str) -> float:
-    return 0.0
+def idle(_node_id: str) -> bool:
+    return False
 
 
 def test_nodes_join_after_the_provisioning_delay_in_fleet_time() -> None:
@@ -58,7 +58,7 @@ def test_nodes_join_after_the_provisioning_delay_in_fleet_time() -> None:
         "A100",
         PriceTier.ON_DEMAND,
     )
-    (status,) = book.status(idle)
+    (status,) = book.status(lambda _n: 0.0)
     assert status.desired_nodes == 2 and {n.state for n in status.nodes} == {PoolNodeState.READY}
 
 
@@ -70,21 +70,36 @@ def test_the_same_decision_twice_buys_nothing_twice_and_the_size_is_bounded() ->
     assert len(book.members) == 4
 
 
-def test_only_empty_named_nodes_go_and_extra_provisioning_is_canceled() -> None:
+def test_only_empty_named_nodes_go_and_a_busy_one_counts_on_top_of_the_size() -> None:
     book = PoolBook("cloud", pools(), time_scale=1.0)
     book.apply(decided(2), T0, idle)
     book.due(T0 + timedelta(seconds=180))
     book.apply(decided(3), T0 + timedelta(seconds=200), idle)  # a third one on its way
 
-    def busy(node_id: str) -> float:
-        return 8.0 if node_id == "cloud-burst-0000" else 0.0
+    def busy(node_id: str) -> bool:
+        return node_id == "cloud-burst-0000"
 
+    # Taken on an inventory that showed 0000 and 0001 empty and 0002 coming: keep 1.
     change = book.apply(decided(1, ("cloud-burst-0000", "cloud-burst-0001")), T0, busy)
-    # 0000 took work meanwhile and stays; 0001 goes; the provisioning 0002 is canceled.
-    assert sorted(m.node_id for m in change.dropped) == ["cloud-burst-0001", "cloud-burst-0002"]
-    assert sorted(book.members) == ["cloud-burst-0000"]
+    # 0000 took work meanwhile and stays, on top of the size: 0002 (bought for a waiting
+    # job) is not canceled in its place.
+    assert [m.node_id for m in change.dropped] == ["cloud-burst-0001"]
+    assert sorted(book.members) == ["cloud-burst-0000", "cloud-burst-0002"]
     # Node numbers are never reused.
-    assert [m.node_id for m in book.apply(decided(2), T0, busy).asked] == ["cloud-burst-0003"]
+    assert [m.node_id for m in book.apply(decided(3), T0, busy).asked] == ["cloud-burst-0003"]
+
+
+def test_provisioning_beyond_the_size_is_canceled_unless_asked_after_the_decisions_inventory() -> (
+    None
+):
+    book = PoolBook("cloud", pools(), time_scale=1.0)
+    book.apply(decided(1), T0, idle)
+    book.apply(decided(2), T0 + timedelta(seconds=10), idle)
+    late = decided(0)
+    late.inventory_at = T0 + timedelta(seconds=5)  # it saw only the first request
+    change = book.apply(late, T0 + timedelta(seconds=20), idle)
+    assert [m.node_id for m in change.dropped] == ["cloud-burst-0000"]
+    assert sorted(book.members) == ["cloud-burst-0001"]
 
 
 def test_a_stockout_drops_the_request_and_says_so_until_a_node_comes() -> None:
@@ -92,7 +107,7 @@ def test_a_stockout_drops_the_request_and_says_so_until_a_node_comes() -> None:
     book.apply(decided(1), T0, idle)
     change = book.due(T0 + timedelta(seconds=180))
     assert change.joined == [] and len(change.dropped) == 1 and book.members == {}
-    (status,) = book.status(idle)
+    (status,) = book.status(lambda _n: 0.0)
     assert status.failing is not None and "stockout" in status.failing
     ok = PoolBook("cloud", pools(), time_scale=1.0)
     ok.failing["burst"] = ("stockout", T0)

@@ -137,7 +137,10 @@ class Fleet:
         stamp = when if isinstance(when, datetime) else at(when)
         for n in nodes:
             if d.node(n) is None:
-                inventory_seen(d, cluster_of(n), [n], stamp)
+                # An inventory lists every node of its cluster: the ones known so far too.
+                cluster = cluster_of(n)
+                known = [k.node_id for k in d.all_nodes() if k.cluster == cluster]
+                inventory_seen(d, cluster, [*known, n], stamp)
 
     def check(self, now: float) -> Changes:
         d = self._draft()

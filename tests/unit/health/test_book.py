@@ -161,3 +161,25 @@ def test_a_node_is_never_recovered_before_its_clean_period(
                 assert (r.at - r.node.quarantined_at).total_seconds() >= 60
     # One quarantine per incident: alerts and quarantines pair up, recoveries never exceed them.
     assert len(f.alerts()) == len(f.unhealthy()) >= len(f.recovered())
+
+
+def test_a_node_its_inventory_stops_listing_is_no_longer_watched() -> None:
+    """An elastic pool's node removed (or a Node object deleted) is gone, not silent: no
+    heartbeat_lost for it. A quarantined one stays until it is back."""
+    from services.health.book import inventory_seen
+
+    f = Fleet()
+    d = f._draft()
+    inventory_seen(d, "pool", ["pool-0", "pool-1", "pool-2"], at(0))
+    f._apply(d)
+    f.beats(20, "pool-0", "pool-1")
+    f.check(31)  # pool-2 silent past unhealthy_after_s: quarantined
+    assert f.unhealthy() == ["pool-2"]
+    d = f._draft()
+    inventory_seen(d, "pool", ["pool-0"], at(32))
+    changes = f._apply(d)
+    assert changes.dropped == {"pool-1"}  # pool-2 is quarantined: kept
+    assert sorted(f.book.nodes) == ["pool-0", "pool-2"]
+    f.check(5000)
+    assert "pool-1" not in f.unhealthy()  # gone, never declared lost
+    assert "pool-0" in f.unhealthy()  # still listed and silent: lost
