@@ -26,7 +26,7 @@ from schemas.health import AlertRaised, Severity
 from schemas.ids import new_id
 from schemas.usage import BudgetExceeded
 from schemas.validation import describe_validation_error
-from services.autoscaler.planner import Plan, Planner
+from services.autoscaler.planner import Incident, Plan, Planner
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.bootstrap import open_outboxed
 from services.common.consumer import Consumers, Records
@@ -154,11 +154,21 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
         metrics.unserved.set(len(plan.unserved))
         metrics.spend_rate.set(_spend_rate(planner))
         out = _messages(plan)
-        if not out:
+        if not out and not plan.closed:
             return
         relay: OutboxRelay = state["relay"]
         async with relay.transaction() as tx:
             tx.emit(out)
+            await tx.conn.executemany(
+                "INSERT INTO autoscaler.pool_incidents (pool, cluster, cause, since)"
+                " VALUES ($1, $2, $3, $4) ON CONFLICT (pool) DO NOTHING",
+                [(i.pool, i.cluster, i.cause, i.since) for i in plan.incidents],
+            )
+            if plan.closed:
+                await tx.conn.execute(
+                    "DELETE FROM autoscaler.pool_incidents WHERE pool = ANY($1::text[])",
+                    plan.closed,
+                )
         for d in plan.decisions:
             metrics.decisions.labels(d.pool).inc()
             metrics.nodes_removed.labels(d.pool).inc(len(d.remove))
@@ -197,6 +207,8 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
             "SELECT tenant, month FROM autoscaler.budget_blocks WHERE month >= $1", month
         )
         planner.blocked |= {(r["tenant"], r["month"]) for r in rows}
+        for r in await pool.fetch("SELECT * FROM autoscaler.pool_incidents"):
+            planner.failing[r["pool"]] = Incident(r["pool"], r["cluster"], r["cause"], r["since"])
         state["planner"] = planner
         runtime.background(decide_loop)
         await broker.start()

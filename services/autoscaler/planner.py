@@ -45,8 +45,10 @@ class Observed:
 @dataclass
 class Plan:
     decisions: list[AutoscaleDecided] = field(default_factory=list)
-    # Pools that just started failing (stockout, quota): one alert each.
+    # Pools that just started failing (stockout, quota): one alert each; and pools whose
+    # incident ended (a node came).
     incidents: list[Incident] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
     # Job id -> why no pool was grown for it (for `qm pools` and the log).
     unserved: dict[str, str] = field(default_factory=dict)
 
@@ -220,17 +222,16 @@ class Planner:
         self, status: Mapping[str, tuple[str, PoolStatus]], now: datetime, plan: Plan
     ) -> None:
         """One incident (one alert) from a pool's first failed request until a node of it
-        comes again."""
+        comes again. Open incidents are stored (app.py) and given back at start, so a restart
+        neither alerts one again nor loses one."""
         for name, (cluster, s) in status.items():
             if s.failing and name not in self.failing:
                 incident = Incident(name, cluster, s.failing, now)
                 self.failing[name] = incident
-                # A failure from before this process started was alerted by the one before
-                # (or it died first: one alert lost rather than one per restart).
-                if s.failed_at is None or s.failed_at >= self.started_at:
-                    plan.incidents.append(incident)
+                plan.incidents.append(incident)
             elif not s.failing and name in self.failing:
                 del self.failing[name]
+                plan.closed.append(name)
 
 
 def _request(item: DemandItem) -> JobRequest:

@@ -284,9 +284,10 @@ async def test_a_waiting_gang_grows_a_pool_past_a_stockout_and_the_nodes_go_afte
 async def test_a_tenant_whose_budget_is_spent_grows_nothing(
     autoscale_stack: Stack, client: httpx.AsyncClient
 ) -> None:
-    """nlp's budget blocks; its gang waits for capacity like vision's, but only vision's grows a
-    pool. nlp's job is in the demand the decision was taken on (it came first and cannot have
-    started before any node was bought), so the decision's job list shows the budget at work."""
+    """nlp's budget is spent (deprioritize); its gang waits for capacity like vision's, but
+    only vision's grows a pool. nlp's job is in the demand the decision was taken on (it came
+    first and cannot have started before any node was bought), so the decision's job list
+    shows the budget at work."""
     bootstrap = autoscale_stack.server("kafka").url
     now = datetime.now(UTC)
     spent = BudgetExceeded(
@@ -297,7 +298,10 @@ async def test_a_tenant_whose_budget_is_spent_grows_nothing(
         limit=1000,
         used=1000,
         threshold_pct=100,
-        enforcement=Enforcement.BLOCK,
+        # Deprioritize, not block: a blocking budget makes the queue refuse nlp's new jobs
+        # outright (budget_exhausted), so none would wait for capacity at all.
+        enforcement=Enforcement.DEPRIORITIZE,
+        weight_factor=0.5,
         crossed_at=now,
         message="nlp spent its monthly budget",
     )
