@@ -149,6 +149,9 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
                 log.warning("autoscale round failed", error=str(error))
 
     async def decide_once() -> None:
+        singleton = runtime.singleton
+        if singleton is not None and not singleton.holds():
+            return  # frozen past the lease: a successor may be deciding
         planner: Planner = state["planner"]
         plan = planner.plan(utcnow())
         metrics.unserved.set(len(plan.unserved))

@@ -108,6 +108,11 @@ class Singleton:
             await asyncio.sleep(self.every_s)
         self._took()
 
+    def holds(self) -> bool:
+        """Leading, with the lease renewed within its time to live: a process that was frozen
+        longer may have lost it without knowing yet, and must not act as the leader."""
+        return self.leading and time.monotonic() - self._renewed_at < self.ttl_s
+
     async def hold(self) -> None:
         """Renew until deposed (then `on_deposed`); returns only when deposed."""
         away_since: float | None = None

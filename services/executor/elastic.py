@@ -44,8 +44,8 @@ class ElasticPools:
     async def start(self, store: ExecutorStore) -> None:
         """The stored pools; ready nodes go into the node book before the runs are booked."""
         self.store = store
-        members, sizes = await store.load_pools()
-        self.book.restore(members, sizes)
+        members, sizes, applied = await store.load_pools()
+        self.book.restore(members, sizes, applied)
         for node in self.book.ready_nodes().values():
             self.nodes.upsert(node)
         log.info("pools restored", nodes=len(members), pools=len(self.book.pools))
@@ -62,7 +62,9 @@ class ElasticPools:
             if d.cluster != self.book.cluster:
                 continue
             async with self.changing:
-                change = self.book.apply(d, utcnow(), self.nodes.busy)
+                change = self.book.apply(
+                    d, utcnow(), self.nodes.busy, decided_at=got.envelope.occurred_at
+                )
                 self._carry_out(change)
                 await self._save()
             if change.asked or change.dropped:

@@ -55,12 +55,23 @@ class PoolBook:
         # (the health service and the meter keep history by node id).
         self.next_seq = {p.name: 0 for p in pools}
         self.failing: dict[str, tuple[str, datetime]] = {}
+        # When the newest decision applied per pool was taken.
+        self.applied_at: dict[str, datetime] = {}
         self._rng = random.Random(seed)
 
     # --- members ----------------------------------------------------------------------------
 
-    def restore(self, members: Sequence[Member], sizes: dict[str, tuple[int, int]]) -> None:
-        """Members and (desired size, next node number) per pool, as stored."""
+    def restore(
+        self,
+        members: Sequence[Member],
+        sizes: dict[str, tuple[int, int]],
+        applied_at: dict[str, datetime] | None = None,
+    ) -> None:
+        """Members, (desired size, next node number) and the newest decision's time per pool,
+        as stored."""
+        for name, at in (applied_at or {}).items():
+            if name in self.pools:
+                self.applied_at[name] = at
         for m in members:
             if m.pool in self.pools:
                 self.members[m.node_id] = m
@@ -94,7 +105,13 @@ class PoolBook:
 
     # --- decisions and time -------------------------------------------------------------------
 
-    def apply(self, d: AutoscaleDecided, now: datetime, busy: Callable[[str], bool]) -> Change:
+    def apply(
+        self,
+        d: AutoscaleDecided,
+        now: datetime,
+        busy: Callable[[str], bool],
+        decided_at: datetime | None = None,
+    ) -> Change:
         """Set the pool's size: ask for the nodes missing, drop those named if nothing is
         booked on them (one that took work meanwhile stays, and counts on top of the size: the
         autoscaler will look again), and provisioning ones beyond the size, newest first —
@@ -102,6 +119,11 @@ class PoolBook:
         pool = self.pools.get(d.pool)
         if pool is None or d.cluster != self.cluster:
             return Change([], [], [])
+        last = self.applied_at.get(pool.name)
+        if decided_at is not None and last is not None and decided_at < last:
+            return Change([], [], [])  # older than one applied (a replay): its remove is stale
+        if decided_at is not None:
+            self.applied_at[pool.name] = decided_at
         dropped, kept = [], 0
         for node_id in d.remove:
             m = self.members.get(node_id)

@@ -204,8 +204,11 @@ class ExecutorStore:
                 [(t,) for t in tombstones],
             )
 
-    async def load_pools(self) -> tuple[list[Member], dict[str, tuple[int, int]]]:
-        """The elastic pools' members and (desired size, next node number) per pool."""
+    async def load_pools(
+        self,
+    ) -> tuple[list[Member], dict[str, tuple[int, int]], dict[str, datetime]]:
+        """The elastic pools' members, (desired size, next node number) per pool, and when the
+        newest decision applied to each was taken."""
         s = self.schema
         async with self.pool.acquire() as conn:
             rows = await conn.fetch(f'SELECT * FROM "{s}".pool_nodes')
@@ -214,7 +217,8 @@ class ExecutorStore:
             Member(r["node_id"], r["pool"], r["requested_at"], r["ready_at"], r["stockout"])
             for r in rows
         ]
-        return members, {r["pool"]: (r["desired"], r["next_seq"]) for r in sizes}
+        applied = {r["pool"]: r["applied_at"] for r in sizes if r["applied_at"] is not None}
+        return members, {r["pool"]: (r["desired"], r["next_seq"]) for r in sizes}, applied
 
     async def save_pools(self, book: PoolBook) -> None:
         """The pools as they are now, whole (a few hundred rows at most), in one transaction."""
@@ -230,10 +234,14 @@ class ExecutorStore:
                 ],
             )
             await conn.executemany(
-                f'INSERT INTO "{s}".pool_sizes (pool, desired, next_seq) VALUES ($1, $2, $3) '
-                "ON CONFLICT (pool) DO UPDATE SET desired = EXCLUDED.desired, "
-                "next_seq = EXCLUDED.next_seq",
-                [(name, book.desired[name], book.next_seq[name]) for name in book.pools],
+                f'INSERT INTO "{s}".pool_sizes (pool, desired, next_seq, applied_at) '
+                "VALUES ($1, $2, $3, $4) ON CONFLICT (pool) DO UPDATE SET "
+                "desired = EXCLUDED.desired, next_seq = EXCLUDED.next_seq, "
+                "applied_at = EXCLUDED.applied_at",
+                [
+                    (name, book.desired[name], book.next_seq[name], book.applied_at.get(name))
+                    for name in book.pools
+                ],
             )
 
     async def forget_tombstones(self, before: datetime) -> int:

@@ -203,10 +203,13 @@ async def list_pools(
 
 
 async def growing_for(pool: asyncpg.Pool, job_id: str) -> dict[str, Any] | None:
-    """The newest decision that grew a pool for this job, if any."""
+    """The newest decision that grew a pool for this job since it was last queued, if any
+    (one for an earlier attempt says nothing about this wait)."""
     row = await pool.fetchrow(
         "SELECT cluster, pool, desired_nodes, reason, at FROM gateway.pool_decisions"
-        " WHERE for_jobs @> ARRAY[$1]::text[] ORDER BY at DESC LIMIT 1",
+        " WHERE for_jobs @> ARRAY[$1]::text[] AND at >= COALESCE((SELECT max(at)"
+        " FROM gateway.job_events WHERE job_id = $1 AND type = 'JobQueued'), '-infinity')"
+        " ORDER BY at DESC LIMIT 1",
         job_id,
     )
     return dict(row) if row is not None else None

@@ -123,3 +123,15 @@ def test_restore_keeps_members_sizes_and_numbering() -> None:
     again.restore(list(book.members.values()), {"burst": (2, 5)})
     assert sorted(again.members) == sorted(book.members) and again.desired["burst"] == 2
     assert [m.node_id for m in again.apply(decided(3), T0, idle).asked] == ["cloud-burst-0005"]
+
+
+def test_a_decision_older_than_one_applied_is_not_applied() -> None:
+    """A consumer group replaying from an old offset reads an old decision again: its size
+    and its removals are stale, and it changes nothing."""
+    book = PoolBook("cloud", pools(), time_scale=1.0)
+    book.apply(decided(2), T0, idle, decided_at=T0 + timedelta(seconds=10))
+    assert book.apply(decided(4), T0, idle, decided_at=T0 + timedelta(seconds=5)).asked == []
+    assert len(book.members) == 2 and book.desired["burst"] == 2
+    again = PoolBook("cloud", pools(), time_scale=1.0)
+    again.restore(list(book.members.values()), {"burst": (2, 2)}, dict(book.applied_at))
+    assert again.apply(decided(4), T0, idle, decided_at=T0 + timedelta(seconds=5)).asked == []
