@@ -75,6 +75,7 @@ from schemas.envelope import Envelope  # noqa: E402
 from schemas.events import PlacementDecided, ReplicaAssignment  # noqa: E402
 from schemas.job import JobSpec  # noqa: E402
 from services.common.topics import ensure_topics  # noqa: E402
+from tests.kubeapi import write_kubeconfig  # noqa: E402
 
 NAMESPACE = "quartermaster-jobs"
 GANG = 16
@@ -190,6 +191,8 @@ def node_body(name: str, index: int) -> Obj:
 
 
 def write_fleet(workdir: Path, cluster: str, kubeconfig: Path) -> Path:
+    """A fleet file of one cluster on Kubernetes: no nodes here, its Node objects are the
+    inventory (also the e2e flows' fleet)."""
     fleet = {
         "clusters": [
             {
@@ -207,24 +210,6 @@ def write_fleet(workdir: Path, cluster: str, kubeconfig: Path) -> Path:
     }
     path = workdir / "fleet.yaml"
     path.write_text(yaml.safe_dump(fleet))
-    return path
-
-
-def write_kubeconfig(path: Path, url: str) -> Path:
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "double", "cluster": {"server": url}}],
-        "users": [{"name": "bench", "user": {"token": "bench"}}],
-        "contexts": [
-            {
-                "name": "double",
-                "context": {"cluster": "double", "user": "bench", "namespace": NAMESPACE},
-            }
-        ],
-        "current-context": "double",
-    }
-    path.write_text(yaml.safe_dump(config))
     return path
 
 
@@ -485,7 +470,7 @@ async def bench(run: Run, double_url: str, double_proc: Proc) -> dict[str, Any]:
         g_nodes = [f"g-{i:02d}" for i in range(GANG)]
         for i, name in enumerate([*t_nodes, *g_nodes, "w-0"]):
             await double.hook("add_node", **node_body(name, i))
-        kubeconfig = write_kubeconfig(run.workdir / "kubeconfig", double_url)
+        kubeconfig = write_kubeconfig(run.workdir / "kubeconfig", double_url, NAMESPACE)
         fleet = write_fleet(run.workdir, run.cluster, kubeconfig)
         executor = start_executor(run.workdir, run.procs, run.servers, run.cluster, fleet)
         await wait_healthy(executor)

@@ -18,7 +18,15 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from core.model import AcceleratorModel, ClusterId, JobRequest, PriceTier, TopologyLevel
+from core.model import (
+    AcceleratorModel,
+    ClusterId,
+    JobRequest,
+    Node,
+    NodeId,
+    PriceTier,
+    TopologyLevel,
+)
 
 EPS = 1e-9
 
@@ -53,6 +61,22 @@ class NodePool:
     @property
     def node_price_per_hour(self) -> float:
         return self.price * self.accelerators_per_node
+
+    def node(self, node_id: str, seq: int) -> Node:
+        """Its node number `seq`: all in one topology block, racks of 8, each node its own
+        NVLink domain."""
+        return Node(
+            node_id=NodeId(node_id),
+            cluster=self.cluster,
+            block=f"{self.name}-b0",
+            rack=f"{self.name}-r{seq // 8}",
+            nvlink_domain=f"{self.name}-nv{seq}",
+            accelerator=self.accelerator,
+            accelerators=self.accelerators_per_node,
+            cpu=self.cpu,
+            memory_gb=self.memory_gb,
+            price_tier=self.price_tier,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,9 +127,6 @@ class Plan:
     unserved: list[Unserved] = field(default_factory=list)
     # Job id -> pool it was matched to (on capacity already there, coming, or added now).
     matched: dict[str, str] = field(default_factory=dict)
-
-    def decision(self, pool: str) -> PoolDecision | None:
-        return next((d for d in self.decisions if d.pool == pool), None)
 
 
 @dataclass(frozen=True)

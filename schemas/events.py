@@ -289,7 +289,6 @@ class NodeInfo(Payload):
 class PoolNodeState(StrEnum):
     PROVISIONING = "provisioning"  # asked for, not ready yet (not in `nodes`)
     READY = "ready"  # takes work (in `nodes`)
-    DRAINING = "draining"  # to be removed: takes no new work, goes once empty
 
 
 class PoolNode(Payload):
@@ -297,7 +296,7 @@ class PoolNode(Payload):
     state: PoolNodeState
     requested_at: datetime
     ready_at: datetime | None = None
-    # Accelerators in use now (ready and draining nodes).
+    # Accelerators in use now (ready nodes).
     used: float = Field(default=0.0, ge=0)
     # Since when it has been empty (ready nodes).
     empty_since: datetime | None = None
@@ -348,7 +347,6 @@ class DemandItem(Payload):
     topology_required: bool = False
     preemptible: bool = True
     codes: list[str] = Field(default_factory=list, max_length=32)
-    budget_blocked: bool = False
 
 
 class CapacityDemand(Payload):

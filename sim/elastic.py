@@ -274,18 +274,7 @@ class ElasticSimulation(Simulation):
         self._node_seq += 1
         seq = self._node_seq
         node_id = NodeId(f"{pool.name}-{seq:05d}")
-        node = Node(
-            node_id=node_id,
-            cluster=pool.cluster,
-            block=f"{pool.name}-b0",
-            rack=f"{pool.name}-r{seq // 8}",
-            nvlink_domain=f"{pool.name}-nv{seq}",
-            accelerator=pool.accelerator,
-            accelerators=pool.accelerators_per_node,
-            cpu=pool.cpu,
-            memory_gb=pool.memory_gb,
-            price_tier=pool.price_tier,
-        )
+        node = pool.node(node_id, seq)
         member = _Member(node, requested_at=now)
         self.members[pool.name][node_id] = member
         self.pool_of[node_id] = pool

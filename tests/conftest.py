@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,20 +128,19 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="session")
-def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str) -> Iterator[Stack]:
-    """The whole platform as processes, on servers of its own (not the other fixtures').
-
-    Its own broker, database and Redis keep integration tests' messages out of the
-    services' topics. Time runs ``QM_E2E_TIME_SCALE`` (default 600) times faster.
-    """
-    workdir = tmp_path_factory.mktemp("stack")
+@contextmanager
+def own_stack(
+    workdir: Path, postgres_server_url: str, env: dict[str, str], **start: Any
+) -> Iterator[Stack]:
+    """The whole platform as processes on a broker, database and Redis of its own (which keeps
+    integration tests' messages out of the services' topics). `env` adds to (or overrides) the
+    test timings below; `start` goes to `Stack.start` (fleet and policy files, time scale)."""
     with (
         private_kafka(workdir / "kafka") as kafka,
         private_redis(workdir / "redis") as redis,
         fresh_database(postgres_server_url) as database,
     ):
-        env = {
+        base = {
             "QM_KAFKA_BOOTSTRAP": kafka,
             "QM_DATABASE_URL": database,
             "QM_REDIS_URL": redis,
@@ -150,20 +150,27 @@ def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str)
             "QM_UNHEALTHY_AFTER_S": "5",
             "QM_MIN_QUARANTINE_S": "1",
             "QM_CLEAN_PERIOD_S": "2",
-            # The schedulers compare their kept working set with a rebuilt one this often; any
-            # difference fails the session (below).
+            # The schedulers compare their kept working set with a rebuilt one this often.
             "QM_WORKING_SET_CHECK_EVERY": "25",
         }
         stack = Stack.start(
-            workdir / "state",
-            gateway_port=infra.free_port(),
-            env=env,
-            time_scale=float(os.environ.get("QM_E2E_TIME_SCALE", "600")),
+            workdir / "state", gateway_port=infra.free_port(), env={**base, **env}, **start
         )
         try:
             yield stack
         finally:
             stack.stop()
-        drifts = drifted(workdir / "state" / "logs")
-        if drifts:
-            pytest.fail("a scheduler's kept working set drifted:\n" + "\n".join(drifts[:5]))
+
+
+@pytest.fixture(scope="session")
+def qm_stack(tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str) -> Iterator[Stack]:
+    """The whole platform as processes, on servers of its own (not the other fixtures').
+    Time runs ``QM_E2E_TIME_SCALE`` (default 600) times faster. A scheduler whose kept working
+    set drifted from a rebuilt one fails the session."""
+    workdir = tmp_path_factory.mktemp("stack")
+    scale = float(os.environ.get("QM_E2E_TIME_SCALE", "600"))
+    with own_stack(workdir, postgres_server_url, {}, time_scale=scale) as stack:
+        yield stack
+    drifts = drifted(workdir / "state" / "logs")
+    if drifts:
+        pytest.fail("a scheduler's kept working set drifted:\n" + "\n".join(drifts[:5]))

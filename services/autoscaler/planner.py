@@ -81,7 +81,6 @@ class Planner:
         # Pool -> (desired, remove, when) of the last decision sent.
         self.sent: dict[str, tuple[int, tuple[str, ...], datetime]] = {}
         self.failing: dict[str, Incident] = {}
-        self.last_plan = Plan()
 
     # --- reading the log --------------------------------------------------------------------
 
@@ -144,7 +143,6 @@ class Planner:
             if name in status and status[name][0] in self.fresh
         ]
         if not ready:
-            self.last_plan = plan
             return plan
         fleet_now = now.timestamp() * self.time_scale
         nodes = {p.name: self._nodes(status[p.name][1]) for p in ready}
@@ -174,7 +172,6 @@ class Planner:
                 )
             )
             self.sent[d.pool] = (desired, remove, now)
-        self.last_plan = plan
         return plan
 
     def _demand(self, now: datetime) -> list[DemandItem]:

@@ -35,7 +35,8 @@ class ElasticPools:
         self.publish = publish  # dead letters
         self.consumer = f"executor/{book.cluster}/pools"
         self.nodes = nodes
-        # The executor's lock (set at start): placements and node removals never interleave.
+        # Replaced by the executor's lock before the broker starts (app.py): placements and
+        # node removals never interleave.
         self.changing = asyncio.Lock()
         self.announce = announce
         self.store: ExecutorStore | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from core.autoscale import NodePool
-from core.model import ClusterId, Node, NodeId
+from core.model import Node
 from schemas.events import AutoscaleDecided, PoolNode, PoolNodeState, PoolStatus
 
 EPS = 1e-9
@@ -85,20 +85,7 @@ class PoolBook:
         return sorted((m for m in self.members.values() if m.pool == pool), key=lambda m: m.node_id)
 
     def node(self, m: Member) -> Node:
-        pool = self.pools[m.pool]
-        seq = _seq(m.node_id)
-        return Node(
-            node_id=NodeId(m.node_id),
-            cluster=ClusterId(self.cluster),
-            block=f"{pool.name}-b0",
-            rack=f"{pool.name}-r{seq // 8}",
-            nvlink_domain=f"{pool.name}-nv{seq}",
-            accelerator=pool.accelerator,
-            accelerators=pool.accelerators_per_node,
-            cpu=pool.cpu,
-            memory_gb=pool.memory_gb,
-            price_tier=pool.price_tier,
-        )
+        return self.pools[m.pool].node(m.node_id, _seq(m.node_id))
 
     def ready_nodes(self) -> dict[str, Node]:
         return {m.node_id: self.node(m) for m in self.members.values() if m.ready_at is not None}

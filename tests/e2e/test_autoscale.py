@@ -22,12 +22,11 @@ import httpx
 import pytest
 import yaml
 
-from cli import infra
 from cli.stack import PROJECT_ROOT, Service, Stack
 from schemas import topics
 from schemas.envelope import Envelope
 from schemas.usage import BudgetExceeded, BudgetUnit, Enforcement
-from tests.conftest import fresh_database, private_kafka, private_redis
+from tests.conftest import own_stack
 from tests.integration.kafka_tools import collect, produce
 
 ADMIN = {"Authorization": "Bearer dev-admin"}
@@ -97,35 +96,21 @@ def autoscale_stack(
     tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str
 ) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("autoscale-stack")
-    with (
-        private_kafka(workdir / "kafka") as kafka,
-        private_redis(workdir / "redis") as redis,
-        fresh_database(postgres_server_url) as database,
-    ):
-        env = {
-            "QM_KAFKA_BOOTSTRAP": kafka,
-            "QM_DATABASE_URL": database,
-            "QM_REDIS_URL": redis,
-            "QM_HEARTBEAT_INTERVAL_S": "1",
-            "QM_CAPACITY_INTERVAL_S": "2",
-            "QM_SUSPECT_AFTER_S": "3",
-            "QM_UNHEALTHY_AFTER_S": "10",
-            "QM_WORKING_SET_CHECK_EVERY": "25",
-            "QM_DECIDE_EVERY_S": "0.5",
-            "QM_FAILING_PAUSE_S": "600",
-        }
-        stack = Stack.start(
-            workdir / "state",
-            gateway_port=infra.free_port(),
-            env=env,
-            fleet_file=_fleet(workdir),
-            policy_file=PROJECT_ROOT / "examples" / "policy.yaml",
-            time_scale=TIME_SCALE,
-        )
-        try:
-            yield stack
-        finally:
-            stack.stop()
+    env = {
+        "QM_CAPACITY_INTERVAL_S": "2",
+        "QM_UNHEALTHY_AFTER_S": "10",
+        "QM_DECIDE_EVERY_S": "0.5",
+        "QM_FAILING_PAUSE_S": "600",
+    }
+    with own_stack(
+        workdir,
+        postgres_server_url,
+        env,
+        fleet_file=_fleet(workdir),
+        policy_file=PROJECT_ROOT / "examples" / "policy.yaml",
+        time_scale=TIME_SCALE,
+    ) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ import httpx
 import pytest
 import yaml
 
-from cli import infra
+from bench.k8s_backend import write_fleet
 from cli.stack import PROJECT_ROOT, Service, Stack
 from schemas import topics
-from tests.conftest import fresh_database, private_kafka, private_redis
+from tests.conftest import own_stack
 from tests.integration.kafka_tools import collect
 from tests.kubeapi import ResourceType, ThreadedDouble, run_in_thread, write_kubeconfig
 from tests.kubeapi.store import Change
@@ -89,28 +89,6 @@ def _policy(workdir: Path) -> Path:
     return path
 
 
-def _fleet(workdir: Path, kubeconfig: Path) -> Path:
-    """One cluster, on Kubernetes: no nodes here, its Node objects are the inventory."""
-    fleet = {
-        "clusters": [
-            {
-                "name": CLUSTER,
-                "location": "us-east-dc2",
-                "kind": "on_prem",
-                "prices": {"H100": {"reserved": 2.10, "on_demand": 4.50}},
-                "backend": {
-                    "kind": "kubernetes",
-                    "kubeconfig": kubeconfig.name,  # relative to the fleet file
-                    "namespace": NAMESPACE,
-                },
-            }
-        ]
-    }
-    path = workdir / "fleet.yaml"
-    path.write_text(yaml.safe_dump(fleet))
-    return path
-
-
 def _prepare(double: Any, checkpoint_requests: dict[str, str]) -> None:
     """Nodes, the namespace, the auto kubelet, and a listener that notes every checkpoint
     request a pod's annotations carry (the pod is gone by the time the test looks)."""
@@ -143,42 +121,26 @@ def kube_stack(
     tmp_path_factory: pytest.TempPathFactory, postgres_server_url: str
 ) -> Iterator[KubeStack]:
     workdir = tmp_path_factory.mktemp("kube-stack")
-    with (
-        run_in_thread() as kube,
-        private_kafka(workdir / "kafka") as kafka,
-        private_redis(workdir / "redis") as redis,
-        fresh_database(postgres_server_url) as database,
-    ):
+    with run_in_thread() as kube:
         checkpoint_requests: dict[str, str] = {}
         kube.call(_prepare, kube.double, checkpoint_requests)
         kubeconfig = write_kubeconfig(workdir / "kubeconfig", kube.url, NAMESPACE)
         env = {
-            "QM_KAFKA_BOOTSTRAP": kafka,
-            "QM_DATABASE_URL": database,
-            "QM_REDIS_URL": redis,
-            "QM_HEARTBEAT_INTERVAL_S": "1",
             "QM_CAPACITY_INTERVAL_S": "1",
             # A node silent this long is lost. Long enough that the executor's restart (all
             # of its nodes silent meanwhile) never looks like lost nodes, even on a loaded
             # machine; the NotReady flow waits it out.
-            "QM_SUSPECT_AFTER_S": "3",
             "QM_UNHEALTHY_AFTER_S": str(UNHEALTHY_AFTER_S),
-            "QM_MIN_QUARANTINE_S": "1",
-            "QM_CLEAN_PERIOD_S": "2",
-            "QM_WORKING_SET_CHECK_EVERY": "25",
         }
-        stack = Stack.start(
-            workdir / "state",
-            gateway_port=infra.free_port(),
-            env=env,
-            fleet_file=_fleet(workdir, kubeconfig),
+        with own_stack(
+            workdir,
+            postgres_server_url,
+            env,
+            fleet_file=write_fleet(workdir, CLUSTER, kubeconfig),
             policy_file=_policy(workdir),
             time_scale=1.0,
-        )
-        try:
+        ) as stack:
             yield KubeStack(stack, kube, workdir, checkpoint_requests)
-        finally:
-            stack.stop()
 
 
 @pytest.fixture(scope="module")
