@@ -29,8 +29,15 @@ from services.executor.faults import FaultInjector, Outage, Slowdowns, fault_rou
 from services.executor.fleetinfo import capacity_event, heartbeats
 from services.executor.handlers import PAYLOADS, Executor
 from services.executor.kube.backend import KubeBackend
-from services.executor.kube.connect import api_client, device_loss_kind, kube_options, node_labels
+from services.executor.kube.connect import (
+    api_client,
+    device_loss_kind,
+    kube_options,
+    node_labels,
+    provisioning_options,
+)
 from services.executor.kube.inventory import KubeInventory
+from services.executor.kube.provisioning import KubePools
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.pools import PoolBook
@@ -69,15 +76,11 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         if n.cluster == cluster_name and not kubernetes
     }
     book = NodeBook(nodes)
-    # Elastic pools on the simulated fleet only (the kubernetes backend does not carry out
-    # pool decisions yet: docs/autoscaler.md); on Kubernetes none are announced.
+    # Elastic pools: simulated nodes (ElasticPools), or on Kubernetes ProvisioningRequests for
+    # cluster-autoscaler (KubePools, made once the cluster's API is connected).
     pool_book = PoolBook(
         cluster_name,
-        []
-        if kubernetes
-        else load_pools(fleet_doc, policy.accelerator_types, policy.prices).get(
-            cluster.cluster_id, []
-        ),
+        load_pools(fleet_doc, policy.accelerator_types, policy.prices).get(cluster.cluster_id, []),
         settings.time_scale,
         settings.fault_seed,
     )
@@ -86,7 +89,9 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
     def announce_now() -> None:
         announce_due["capacity"] = 0.0
 
-    elastic = ElasticPools(pool_book, book, announce_now, lambda out: publish_all(broker, out))
+    elastic: list[ElasticPools] = [
+        ElasticPools(pool_book, book, announce_now, lambda out: publish_all(broker, out))
+    ]
     inventory: list[KubeInventory] = []  # the cluster's nodes, once connected
     outage = Outage()
     slowdowns = Slowdowns()
@@ -109,11 +114,15 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         await state["executor"].process(records)
 
     consumers.subscribe(*PAYLOADS, group_id=f"executor-{cluster_name}", handle=handle)
-    if pool_book.pools and not kubernetes:
+
+    async def handle_pools(records: Records) -> None:
+        await elastic[0].handle(records)
+
+    if pool_book.pools:
         consumers.subscribe(
             topics.AUTOSCALE_DECIDED,
             group_id=f"executor-{cluster_name}-pools",
-            handle=elastic.handle,
+            handle=handle_pools,
         )
 
     async def finish_loop() -> None:
@@ -137,7 +146,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
                 now_nodes = inventory[0].nodes() if inventory else nodes
                 cap = capacity_event(
                     cluster,
-                    {**now_nodes, **pool_book.ready_nodes()},
+                    {**now_nodes, **elastic[0].ready_nodes()},
                     pool_book.status(book.used),
                 )
                 out.append(
@@ -191,12 +200,12 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             runtime, broker, consumers, schema=schema_for(cluster_name), migrations=MIGRATIONS
         )
         store = ExecutorStore(pool, cluster_name)
-        await elastic.start(store)
         kube: KubeBackend | None = None
         backend: Backend | None = None
         if kubernetes:
             kube = await connect_kubernetes()
             backend = kube
+        await elastic[0].start(store)
         executor = Executor(
             cluster_name,
             book,
@@ -207,7 +216,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             default_duration_s=settings.default_duration_s,
             backend=backend,
         )
-        elastic.changing = executor.changing
+        elastic[0].changing = executor.changing
         await executor.restore()
         state["executor"] = executor
         runtime.background(finish_loop)
@@ -218,13 +227,15 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             backend_run = kube.run
             runtime.background(lambda: backend_run(executor.report))
             runtime.background(inventory[0].run)
+            if pool_book.pools:
+                runtime.background(elastic[0].run_forever)
         else:
             runtime.background(progress_loop)
             if settings.fault_rate_per_hour > 0:
                 random_mode.configure(settings.fault_rate_per_hour, settings.fault_seed)
             runtime.background(random_mode.run_forever)
             if pool_book.pools:
-                runtime.background(elastic.run_forever)
+                runtime.background(elastic[0].run_forever)
         await broker.start()
 
     async def publish_probe(probe: NodeProbe) -> None:
@@ -246,6 +257,15 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
         )
         await nodes_now.load()
         inventory.append(nodes_now)
+        if pool_book.pools:
+            elastic[0] = KubePools(
+                pool_book,
+                book,
+                announce_now,
+                lambda out: publish_all(broker, out),
+                api,
+                provisioning_options(settings, node_labels(settings)),
+            )
         return KubeBackend(
             api, kube_options(settings), hostnames=nodes_now.hostname, pinned=nodes_now.pinned
         )

@@ -11,6 +11,7 @@ from datetime import datetime
 import structlog
 from pydantic import ValidationError
 
+from core.model import Node
 from schemas.events import AutoscaleDecided
 from schemas.validation import describe_validation_error
 from services.common.consumer import Records
@@ -62,24 +63,32 @@ class ElasticPools:
                 continue
             if d.cluster != self.book.cluster:
                 continue
-            async with self.changing:
-                change = self.book.apply(
-                    d, utcnow(), self.nodes.busy, decided_at=got.envelope.occurred_at
-                )
-                self._carry_out(change)
-                await self._save()
-            if change.asked or change.dropped:
-                log.info(
-                    "pool resized",
-                    pool=d.pool,
-                    desired=d.desired_nodes,
-                    asked=[m.node_id for m in change.asked],
-                    dropped=[m.node_id for m in change.dropped],
-                    reason=d.reason,
-                )
+            if await self.decided(d, got.envelope.occurred_at):
                 self.announce()
         if dead:
             await self.publish(dead)
+
+    async def decided(self, d: AutoscaleDecided, decided_at: datetime | None) -> bool:
+        """Apply one decision for this cluster; whether the pools changed."""
+        async with self.changing:
+            change = self.book.apply(d, utcnow(), self.nodes.busy, decided_at=decided_at)
+            self._carry_out(change)
+            await self._save()
+        if not change.asked and not change.dropped:
+            return False
+        log.info(
+            "pool resized",
+            pool=d.pool,
+            desired=d.desired_nodes,
+            asked=[m.node_id for m in change.asked],
+            dropped=[m.node_id for m in change.dropped],
+            reason=d.reason,
+        )
+        return True
+
+    def ready_nodes(self) -> dict[str, Node]:
+        """The pools' ready nodes, for the inventory."""
+        return self.book.ready_nodes()
 
     async def run_forever(self, every_s: float = 0.5) -> None:
         while True:

@@ -92,6 +92,19 @@ class PoolBook:
 
     # --- decisions and time -------------------------------------------------------------------
 
+    def accept(self, d: AutoscaleDecided, decided_at: datetime | None) -> NodePool | None:
+        """The pool a decision is for, if it is ours and not older than one applied (a replay
+        from an old offset: its remove list is stale); it is then the newest applied."""
+        pool = self.pools.get(d.pool)
+        if pool is None or d.cluster != self.cluster:
+            return None
+        last = self.applied_at.get(pool.name)
+        if decided_at is not None and last is not None and decided_at < last:
+            return None
+        if decided_at is not None:
+            self.applied_at[pool.name] = decided_at
+        return pool
+
     def apply(
         self,
         d: AutoscaleDecided,
@@ -103,14 +116,9 @@ class PoolBook:
         booked on them (one that took work meanwhile stays, and counts on top of the size: the
         autoscaler will look again), and provisioning ones beyond the size, newest first —
         never one asked for after the inventory the decision was taken on."""
-        pool = self.pools.get(d.pool)
-        if pool is None or d.cluster != self.cluster:
+        pool = self.accept(d, decided_at)
+        if pool is None:
             return Change([], [], [])
-        last = self.applied_at.get(pool.name)
-        if decided_at is not None and last is not None and decided_at < last:
-            return Change([], [], [])  # older than one applied (a replay): its remove is stale
-        if decided_at is not None:
-            self.applied_at[pool.name] = decided_at
         dropped, kept = [], 0
         for node_id in d.remove:
             m = self.members.get(node_id)

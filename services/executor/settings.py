@@ -72,6 +72,12 @@ class ExecutorSettings(ServiceSettings):
     kube_device_loss_probe: str = "pcie_error"
     # Failed API calls of an action are retried with backoff up to this long.
     kube_retry_for_s: float = 60.0
+    # Elastic pools on Kubernetes (docs/autoscaler.md): the label a pool's node group puts on
+    # its nodes (value: the pool's name), the ProvisioningRequest class asked of
+    # cluster-autoscaler, and how long a pool whose request failed asks nothing more.
+    kube_pool_label: str = "quartermaster.io/pool"
+    kube_provisioning_class: str = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
+    kube_pool_retry_failed_after_s: float = 300.0
 
 
 # A cluster's `backend:` entry in the fleet file (docs/executor.md) and the settings it sets.

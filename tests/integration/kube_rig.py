@@ -12,8 +12,10 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+import yaml
 from aiokafka import ConsumerRecord
 from kubernetes_asyncio.client import ApiClient
 from prometheus_client import CollectorRegistry
@@ -337,3 +339,18 @@ async def rig(kube: RunningDouble, **options: Any) -> AsyncIterator[Rig]:
 def gang_pods(double: KubeApiDouble, job_id: str, replicas: int) -> Iterator[str]:
     gang = GangNames(job_id, 1)
     return (gang.pod(i) for i in range(replicas))
+
+
+ROLE = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base" / "rbac-executor.yaml"
+
+
+def granted() -> set[tuple[str, str]]:
+    """(verb, resource) pairs deploy/k8s grants the executor's service account."""
+    pairs = set()
+    for doc in yaml.safe_load_all(ROLE.read_text()):
+        for rule in (doc or {}).get("rules") or []:
+            for resource in rule["resources"]:
+                for group in rule["apiGroups"]:
+                    name = f"{resource}.{group}" if group else resource
+                    pairs |= {(verb, name) for verb in rule["verbs"]}
+    return pairs

@@ -11,11 +11,9 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes_asyncio import config
 from kubernetes_asyncio.client import ApiClient, Configuration, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -24,7 +22,14 @@ from kubernetes_asyncio.watch import Watch
 from services.executor.kube import names
 from services.executor.kube.names import GangNames, gang_selector
 from services.executor.kube.pods import PodOptions, build_pod, build_service
-from tests.integration.kube_rig import NAMESPACE, add_gpu_node, create_namespace, placement, rig
+from tests.integration.kube_rig import (
+    NAMESPACE,
+    add_gpu_node,
+    create_namespace,
+    granted,
+    placement,
+    rig,
+)
 from tests.kubeapi import RunningDouble, serve_double
 from tests.kubeapi.fixtures import kube_api  # noqa: F401
 
@@ -133,21 +138,6 @@ async def test_the_backend_objects_against_the_api(api: tuple[Any, str]) -> None
     await core.delete_namespaced_service(service["metadata"]["name"], namespace)
     left = (await core.list_namespaced_pod(namespace, label_selector=selector)).items
     assert all(p.metadata.deletion_timestamp for p in left)  # gone, or on their way
-
-
-ROLE = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base" / "rbac-executor.yaml"
-
-
-def granted() -> set[tuple[str, str]]:
-    """(verb, resource) pairs deploy/k8s grants the executor's service account."""
-    pairs = set()
-    for doc in yaml.safe_load_all(ROLE.read_text()):
-        for rule in (doc or {}).get("rules") or []:
-            for resource in rule["resources"]:
-                for group in rule["apiGroups"]:
-                    name = f"{resource}.{group}" if group else resource
-                    pairs |= {(verb, name) for verb in rule["verbs"]}
-    return pairs
 
 
 async def test_the_backend_asks_only_what_its_role_grants(kube_api: RunningDouble) -> None:  # noqa: F811

@@ -101,6 +101,7 @@ BUILTIN_RESOURCES = (
     _core("configmaps", "ConfigMap"),
     _core("secrets", "Secret", fields=("type",)),
     _core("serviceaccounts", "ServiceAccount"),
+    _core("podtemplates", "PodTemplate"),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease"),
     ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", status=True),
     ResourceType("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", namespaced=False),

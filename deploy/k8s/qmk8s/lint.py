@@ -53,6 +53,8 @@ EXECUTOR_SCOPE = {
     "pods": {"create", "get", "list", "watch", "patch", "delete"},
     "services": {"create", "get", "list", "delete"},
     "poddisruptionbudgets": {"create", "get", "delete"},
+    "podtemplates": {"create", "delete"},
+    "provisioningrequests": {"create", "list", "delete"},
     "nodes": {"get", "list", "watch", "patch"},
     "events": {"create"},
 }
@@ -69,6 +71,8 @@ WORKLOAD_RESOURCES = {
     "cronjobs",
     "persistentvolumeclaims",
     "poddisruptionbudgets",
+    "podtemplates",
+    "provisioningrequests",
 }
 SENSITIVE_RESOURCES = {
     "secrets",

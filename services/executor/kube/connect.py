@@ -9,6 +9,7 @@ from schemas.health import SignalKind
 from services.executor.kube.backend import KubeOptions
 from services.executor.kube.nodes import NodeLabels
 from services.executor.kube.pods import PodOptions
+from services.executor.kube.provisioning import ProvisioningOptions
 from services.executor.settings import ExecutorSettings
 
 
@@ -72,3 +73,15 @@ def node_labels(settings: ExecutorSettings) -> NodeLabels:
 
 def device_loss_kind(settings: ExecutorSettings) -> SignalKind:
     return SignalKind(settings.kube_device_loss_probe)
+
+
+def provisioning_options(settings: ExecutorSettings, labels: NodeLabels) -> ProvisioningOptions:
+    return ProvisioningOptions(
+        namespace=settings.kube_namespace,
+        cluster=settings.executor_cluster,
+        pool_label=settings.kube_pool_label,
+        provisioning_class=settings.kube_provisioning_class,
+        resource=labels.resource,
+        toleration_keys=tuple(settings.kube_toleration_keys),
+        retry_failed_after_s=settings.kube_pool_retry_failed_after_s,
+    )

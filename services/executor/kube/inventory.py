@@ -132,5 +132,8 @@ class KubeInventory:
             )
 
     async def _gone(self, name: str) -> None:
+        """A Node object deleted (a pool's node taken away, a machine retired): forgotten if
+        nothing is booked on it; else it stays, unhealthy, until its runs are handed back."""
         self.views.pop(name, None)
-        self.book.set_health(name, healthy=False)  # its bookings stay until handed back
+        if not self.book.remove(name):
+            self.book.set_health(name, healthy=False)

@@ -42,7 +42,7 @@ def label_value(raw: str) -> str:
     return f"{readable}-{digest(raw)}" if readable else f"h-{digest(raw)}"
 
 
-def _slug(raw: str, length: int) -> str:
+def slug(raw: str, length: int) -> str:
     """A DNS label piece: lowercase letters, digits and dashes, at most `length`."""
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower()))[:length].strip("-")
 
@@ -57,8 +57,8 @@ class GangNames:
     @property
     def service(self) -> str:
         # DNS-1035 label (<= 63, starts with a letter): "qm-" + slug + hash + attempt.
-        slug = _slug(self.job_id, 32)
-        return f"qm-{slug + '-' if slug else ''}{digest(self.job_id, 8)}-a{self.attempt}"
+        piece = slug(self.job_id, 32)
+        return f"qm-{piece + '-' if piece else ''}{digest(self.job_id, 8)}-a{self.attempt}"
 
     def pod(self, replica: int) -> str:
         return f"{self.service}-r{replica}"

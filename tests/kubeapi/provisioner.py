@@ -1,0 +1,165 @@
+"""A cluster-autoscaler for the double: it answers ProvisioningRequests and removes empty nodes,
+as cluster-autoscaler does with the `best-effort-atomic-scale-up` class.
+
+- A new request is `Accepted`; after `provision_delay` s its node group (the one the pod
+  template's nodeSelector names through `pool_label`) gets all the nodes asked, then the request
+  is `Provisioned` — or, if the group is out of stock (`stockout(group)`) or would pass its
+  maximum, none come and it is `Failed`, with a message saying why.
+- A node of a group that is cordoned, not annotated `scale-down-disabled: "true"`, and has no
+  pod on it is deleted `scale_down_delay` s later (checked again then).
+
+Install it on the double's loop: `ClusterAutoscaler(double, groups)`; `asked` lists the requests
+seen, for assertions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.kubeapi.kubelet import ClusterHooks, set_condition
+from tests.kubeapi.store import Change
+from tests.kubeapi.strategies import Obj, ResourceType
+
+REQUESTS = "provisioningrequests.autoscaling.x-k8s.io"
+KEEP = "cluster-autoscaler.kubernetes.io/scale-down-disabled"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """A node group: its nodes carry `labels` (with the pool label) and offer `allocatable`."""
+
+    name: str
+    labels: dict[str, str]
+    allocatable: dict[str, str]
+    max_nodes: int = 100
+
+
+@dataclass
+class Asked:
+    name: str
+    group: str
+    count: int
+    outcome: str = "pending"  # provisioned | failed
+    nodes: list[str] = field(default_factory=list)
+    # The pod template's spec as it was when the request came (both go once it is met).
+    template: Obj = field(default_factory=dict)
+
+
+class ClusterAutoscaler:
+    def __init__(
+        self,
+        double: ClusterHooks,
+        groups: Sequence[NodeGroup],
+        *,
+        pool_label: str = "quartermaster.io/pool",
+        provision_delay: float = 1.5,
+        scale_down_delay: float = 0.5,
+        stockout: Callable[[str], bool] = lambda group: False,
+    ) -> None:
+        self.double = double
+        self.groups = {g.name: g for g in groups}
+        self.pool_label = pool_label
+        self.provision_delay = provision_delay
+        self.scale_down_delay = scale_down_delay
+        self.stockout = stockout
+        self.asked: list[Asked] = []
+        self.removed: list[str] = []
+        self._made: dict[str, int] = {}
+        self._loop = asyncio.get_running_loop()
+        self._doomed: set[str] = set()
+        double.add_listener(self._on_change)
+
+    def _on_change(self, rt: ResourceType, change: Change) -> None:
+        if rt.key == REQUESTS and change.type == "ADDED":
+            meta = change.obj["metadata"]
+            self._loop.call_soon(self._accept, meta["namespace"], meta["name"], meta["uid"])
+        elif rt.key in ("nodes", "pods"):
+            self._loop.call_soon(self._look_for_empty)
+
+    def _accept(self, namespace: str, name: str, uid: str) -> None:
+        pr = self.double.find(REQUESTS, namespace, name)
+        if pr is None or pr["metadata"]["uid"] != uid:
+            return
+        group, count, template = self._wanted(namespace, pr)
+        self.asked.append(Asked(name, group, count, template=template))
+        status: Obj = {}
+        set_condition(status, "Accepted", "True", "Accepted", "ProvisioningRequest is accepted")
+        self.double.set_status(REQUESTS, namespace, name, status)
+        self._loop.call_later(self.provision_delay, self._provision, namespace, name, uid)
+
+    def _wanted(self, namespace: str, pr: Obj) -> tuple[str, int, Obj]:
+        count, group, first = 0, "", {}
+        for pod_set in (pr.get("spec") or {}).get("podSets") or []:
+            count += int(pod_set.get("count") or 0)
+            ref = (pod_set.get("podTemplateRef") or {}).get("name", "")
+            template = self.double.find("podtemplates", namespace, ref) or {}
+            spec = ((template.get("template") or {}).get("spec")) or {}
+            group = group or (spec.get("nodeSelector") or {}).get(self.pool_label, "")
+            first = first or spec
+        return group, count, first
+
+    def _provision(self, namespace: str, name: str, uid: str) -> None:
+        pr = self.double.find(REQUESTS, namespace, name)
+        if pr is None or pr["metadata"]["uid"] != uid:
+            return  # deleted meanwhile: canceled
+        asked = next(a for a in self.asked if a.name == name)
+        group = self.groups.get(asked.group)
+        status = dict(pr.get("status") or {})
+        if group is None or self.stockout(asked.group):
+            why = (
+                f"no node group matches pool {asked.group!r}"
+                if group is None
+                else f"stockout: node group {asked.group} has no capacity in its zone"
+            )
+            set_condition(status, "Failed", "True", "FailedToScaleUp", why)
+            set_condition(status, "Provisioned", "False", "CapacityIsNotFound", why)
+            asked.outcome = "failed"
+        elif self._size(group.name) + asked.count > group.max_nodes:
+            why = f"node group {group.name} would pass its maximum of {group.max_nodes} nodes"
+            set_condition(status, "Failed", "True", "FailedToScaleUp", why)
+            asked.outcome = "failed"
+        else:
+            for _ in range(asked.count):
+                seq = self._made.get(group.name, 0)
+                self._made[group.name] = seq + 1
+                node = f"{group.name}-{seq:04d}"
+                labels = {**group.labels, self.pool_label: group.name}
+                self.double.add_node(node, labels=labels, allocatable=group.allocatable)
+                asked.nodes.append(node)
+            set_condition(status, "Provisioned", "True", "Provisioned", "capacity is available")
+            asked.outcome = "provisioned"
+        self.double.set_status(REQUESTS, namespace, name, status, merge=False)
+
+    def _size(self, group: str) -> int:
+        return sum(
+            1
+            for n in self.double.objects("nodes")
+            if (n["metadata"].get("labels") or {}).get(self.pool_label) == group
+        )
+
+    def _look_for_empty(self) -> None:
+        for node in self.double.objects("nodes"):
+            name = node["metadata"]["name"]
+            if name not in self._doomed and self._removable(node):
+                self._doomed.add(name)
+                self._loop.call_later(self.scale_down_delay, self._remove, name)
+
+    def _removable(self, node: Obj) -> bool:
+        meta: Any = node["metadata"]
+        if (meta.get("labels") or {}).get(self.pool_label) not in self.groups:
+            return False
+        if (meta.get("annotations") or {}).get(KEEP) == "true":
+            return False
+        if not (node.get("spec") or {}).get("unschedulable"):
+            return False
+        name = meta["name"]
+        return not any(p["spec"].get("nodeName") == name for p in self.double.objects("pods"))
+
+    def _remove(self, name: str) -> None:
+        self._doomed.discard(name)
+        node = self.double.find("nodes", None, name)
+        if node is not None and self._removable(node):
+            self.double.delete_node(name)
+            self.removed.append(name)
