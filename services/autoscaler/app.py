@@ -26,7 +26,7 @@ from schemas.health import AlertRaised, Severity
 from schemas.ids import new_id
 from schemas.usage import BudgetExceeded
 from schemas.validation import describe_validation_error
-from services.autoscaler.planner import Incident, Plan, Planner
+from services.autoscaler.planner import Incident, MonthlySpend, Plan, Planner
 from services.autoscaler.settings import AutoscalerSettings
 from services.common.bootstrap import open_outboxed
 from services.common.consumer import Consumers, Records
@@ -81,6 +81,11 @@ class AutoscalerMetrics:
         self.spend_rate = Gauge(
             "qm_autoscaler_spend_per_hour",
             "What the elastic pools' nodes (ready and provisioning) cost per hour",
+            registry=registry,
+        )
+        self.spent_this_month = Gauge(
+            "qm_autoscaler_cloud_spend_this_month",
+            "What the elastic pools cost this month (fleet time), against the cloud budget",
             registry=registry,
         )
 
@@ -155,13 +160,20 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
         planner: Planner = state["planner"]
         plan = planner.plan(utcnow())
         metrics.unserved.set(len(plan.unserved))
-        metrics.spend_rate.set(_spend_rate(planner))
+        metrics.spend_rate.set(planner.spend_rate())
+        spend = planner.spend
+        if spend is not None and spend.at is not None:
+            metrics.spent_this_month.set(spend.spent)
         out = _messages(plan)
         if not out and not plan.closed:
+            if spend is not None and spend.at is not None:
+                await _save_spend(state["pool"], spend)
             return
         relay: OutboxRelay = state["relay"]
         async with relay.transaction() as tx:
             tx.emit(out)
+            if spend is not None and spend.at is not None:
+                await _save_spend(tx.conn, spend)
             await tx.conn.executemany(
                 "INSERT INTO autoscaler.pool_incidents (pool, cluster, cause, since)"
                 " VALUES ($1, $2, $3, $4) ON CONFLICT (pool) DO NOTHING",
@@ -204,8 +216,16 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
             resend_after_s=settings.resend_after_s,
             demand_stale_s=settings.demand_stale_s,
             failing_pause_s=settings.failing_pause_s,
+            cloud_budget_per_month=settings.cloud_budget_per_month,
         )
         month = utcnow().strftime("%Y-%m")
+        if planner.spend is not None:
+            row = await pool.fetchrow(
+                "SELECT * FROM autoscaler.monthly_spend ORDER BY at DESC LIMIT 1"
+            )
+            if row is not None:
+                planner.spend.month, planner.spend.spent = row["month"], row["spent"]
+                planner.spend.rate, planner.spend.at = row["rate"], row["at"]
         rows = await pool.fetch(
             "SELECT tenant, month FROM autoscaler.budget_blocks WHERE month >= $1", month
         )
@@ -256,11 +276,13 @@ def _messages(plan: Plan) -> list[OutMessage]:
     return out
 
 
-def _spend_rate(planner: Planner) -> float:
-    total = 0.0
-    for cap in planner.capacity.values():
-        for s in cap.pools:
-            pool = planner.pools.get(s.pool)
-            if pool is not None:
-                total += len(s.nodes) * pool.node_price_per_hour
-    return total
+async def _save_spend(conn: Any, spend: MonthlySpend) -> None:
+    await conn.execute(
+        "INSERT INTO autoscaler.monthly_spend (month, spent, rate, at) VALUES ($1, $2, $3, $4)"
+        " ON CONFLICT (month) DO UPDATE SET spent = EXCLUDED.spent, rate = EXCLUDED.rate,"
+        " at = EXCLUDED.at",
+        spend.month,
+        spend.spent,
+        spend.rate,
+        spend.at,
+    )

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 
-from core.autoscale import Demand, NodePool, decide
+from core.autoscale import Demand, NodePool, SpendLimit, decide
 from core.autoscale import PoolNode as CorePoolNode
 from core.model import JobId, JobRequest, TenantId, TopologyLevel, WorkloadKind
 from schemas.events import (
@@ -53,6 +53,47 @@ class Plan:
     unserved: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class MonthlySpend:
+    """What the elastic pools have cost this calendar month against a fleet-wide cloud budget:
+    the pools' price per hour (ready and provisioning nodes, as the inventories show them)
+    integrated over time, in fleet time (wall time x the time scale). A control figure for
+    deciding, not the bill (the meter's records are). While the autoscaler is away its last
+    rate goes on counting: the pools do not change size without it."""
+
+    budget: float
+    month: str = ""
+    spent: float = 0.0
+    rate: float = 0.0  # per fleet hour, since `at`
+    at: datetime | None = None
+
+    def advance(self, now: datetime, rate: float, time_scale: float) -> None:
+        month = now.strftime("%Y-%m")
+        if self.at is not None:
+            start = max(self.at, _month_start(now)) if month != self.month else self.at
+            if month != self.month:
+                self.spent = 0.0
+            hours = max((now - start).total_seconds(), 0.0) / 3600 * time_scale
+            self.spent += self.rate * hours
+        self.month, self.rate, self.at = month, rate, now
+
+    def limit(self, now: datetime, time_scale: float) -> SpendLimit:
+        """What the pools may cost per fleet hour: the budget left over the hours left in the
+        month, so spend never passes it."""
+        end = _next_month_start(now)
+        hours_left = max((end - now).total_seconds() / 3600 * time_scale, 1 / 60)
+        return SpendLimit(max(self.budget - self.spent, 0.0) / hours_left, self.rate)
+
+
+def _month_start(at: datetime) -> datetime:
+    return datetime(at.year, at.month, 1, tzinfo=UTC)
+
+
+def _next_month_start(at: datetime) -> datetime:
+    year, month = (at.year + 1, 1) if at.month == 12 else (at.year, at.month + 1)
+    return datetime(year, month, 1, tzinfo=UTC)
+
+
 class Planner:
     def __init__(
         self,
@@ -63,8 +104,12 @@ class Planner:
         resend_after_s: float = 15.0,
         demand_stale_s: float = 120.0,
         failing_pause_s: float = 300.0,
+        cloud_budget_per_month: float | None = None,
     ) -> None:
         self.pools = {p.name: p for p in pools}
+        self.spend = (
+            MonthlySpend(cloud_budget_per_month) if cloud_budget_per_month is not None else None
+        )
         self.time_scale = time_scale
         self.started_at = started_at
         self.spot_rule = spot_for_preemptible_only
@@ -144,6 +189,10 @@ class Planner:
         ]
         if not ready:
             return plan
+        spend = None
+        if self.spend is not None:
+            self.spend.advance(now, self.spend_rate(), self.time_scale)
+            spend = self.spend.limit(now, self.time_scale)
         fleet_now = now.timestamp() * self.time_scale
         nodes = {p.name: self._nodes(status[p.name][1]) for p in ready}
         month = now.strftime("%Y-%m")
@@ -151,7 +200,14 @@ class Planner:
             Demand(_request(item), budget_blocked=(item.tenant, month) in self.blocked)
             for item in self._demand(now)
         ]
-        result = decide(ready, nodes, demand, fleet_now, spot_for_preemptible_only=self.spot_rule)
+        result = decide(
+            ready,
+            nodes,
+            demand,
+            fleet_now,
+            spot_for_preemptible_only=self.spot_rule,
+            spend=spend,
+        )
         plan.unserved = {u.job_id: u.message for u in result.unserved}
         for d in result.decisions:
             cluster, current = status[d.pool]
@@ -173,6 +229,16 @@ class Planner:
             )
             self.sent[d.pool] = (desired, remove, now)
         return plan
+
+    def spend_rate(self) -> float:
+        """What the pools' nodes (ready and provisioning) cost per hour now."""
+        total = 0.0
+        for cap in self.capacity.values():
+            for s in cap.pools:
+                pool = self.pools.get(s.pool)
+                if pool is not None:
+                    total += len(s.nodes) * pool.node_price_per_hour
+        return total
 
     def _demand(self, now: datetime) -> list[DemandItem]:
         if self.demand is None or self.demand_at is None:

@@ -1,5 +1,7 @@
 """Autoscaler settings (env prefix QM_). Pools come from the fleet file (`node_pools:`)."""
 
+from pydantic import Field
+
 from services.common.settings import ServiceSettings
 
 
@@ -14,5 +16,8 @@ class AutoscalerSettings(ServiceSettings):
     # A pool whose last request failed (stockout, quota) gets no demand this long (wall
     # seconds); the demand goes to the next cheapest pool meanwhile.
     failing_pause_s: float = 300.0
+    # A fleet-wide cloud budget per calendar month for all elastic pools together (unset: none);
+    # the autoscaler buys no node whose cost would take this month's spend past it.
+    cloud_budget_per_month: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     # Inventories and demand are not on any job's critical path.
     fetch_max_wait_ms: int = 100

@@ -101,6 +101,8 @@ def autoscale_stack(
         "QM_UNHEALTHY_AFTER_S": "10",
         "QM_DECIDE_EVERY_S": "0.5",
         "QM_FAILING_PAUSE_S": "600",
+        # A cloud budget far above what the tests spend: counted and stored, never binding.
+        "QM_CLOUD_BUDGET_PER_MONTH": "1000000000",
     }
     with own_stack(
         workdir,
@@ -245,6 +247,17 @@ async def test_a_waiting_gang_grows_a_pool_past_a_stockout_and_the_nodes_go_afte
     removed = sorted({n for d in later for n in d["remove"]})
     assert removed == ["cloud-dear-0000", "cloud-dear-0001"], later
     assert max(d["desired_nodes"] for d in later) == 2, later
+
+    # The pools' spend this month was counted (and stored: the restarted autoscaler went on
+    # from the row its predecessor left).
+    async with httpx.AsyncClient() as plain:
+        metrics = (await plain.get(f"http://127.0.0.1:{autoscaler.port}/metrics")).text
+    (spent,) = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("qm_autoscaler_cloud_spend_this_month ")
+    ]
+    assert spent > 0
 
     # What an operator sees: `qm pools` (the gateway's GET /v1/pools).
     process = await asyncio.create_subprocess_exec(

@@ -17,7 +17,7 @@ from schemas.events import (
     PoolStatus,
 )
 from schemas.usage import BudgetExceeded, BudgetUnit, Enforcement
-from services.autoscaler.planner import Planner
+from services.autoscaler.planner import MonthlySpend, Planner
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 A100 = AcceleratorModel("A100", "ampere", 40, 1.6)
@@ -189,3 +189,35 @@ def test_inventories_tell_how_long_nodes_took_and_how_long_they_sat_empty() -> N
     assert seen.ready_after_s == [] and seen.idle_node_s == 30.0
     # An inventory older than the last one (read late) counts nothing.
     assert p.on_capacity(capacity(status(nodes=[ready])), T0).idle_node_s == 0.0
+
+
+def test_the_cloud_budget_buys_no_gang_it_cannot_pay_for_the_rest_of_the_month() -> None:
+    # March has 31 days; from T0 (March 1, 12:00) 731.5 hours are left. A node costs 8 x 2.9
+    # = 23.2 per hour: a budget for 1.5 nodes all month cannot buy a 2-node gang, but can buy
+    # a 1-node job; one for 2.5 nodes buys the gang.
+    node_month = 23.2 * 731.5
+    for budget, bought in ((1.5 * node_month, ["g2"]), (2.5 * node_month, ["g1"])):
+        p = Planner([pool()], time_scale=1.0, started_at=T0, cloud_budget_per_month=budget)
+        p.on_demand(demand(gang(), gang("g2", replicas=1)), T0)
+        p.on_capacity(capacity(status()), T0)
+        plan = p.plan(T0)
+        assert [j for d in plan.decisions for j in d.for_jobs] == bought
+        if bought == ["g2"]:
+            assert "budget" in plan.unserved["g1"]
+
+
+def test_spend_counts_the_pools_rate_in_fleet_time_and_starts_again_each_month() -> None:
+    spend = MonthlySpend(budget=1000.0)
+    spend.advance(T0, 10.0, time_scale=1.0)
+    spend.advance(T0 + timedelta(hours=2), 4.0, time_scale=1.0)
+    assert spend.spent == 20.0  # 10 per hour for the two hours before the rate changed
+    spend.advance(T0 + timedelta(hours=2, minutes=30), 4.0, time_scale=60.0)
+    assert spend.spent == 20.0 + 4.0 * 0.5 * 60  # half a wall hour is 30 fleet hours
+    # Across the month's end only the part in the new month counts, from zero.
+    april = datetime(2026, 4, 1, 1, 0, tzinfo=UTC)
+    spend.advance(april, 4.0, time_scale=1.0)
+    assert (spend.month, spend.spent) == ("2026-04", 4.0)
+    # What may be spent per hour: the budget left over the hours left in April (719).
+    limit = spend.limit(april, time_scale=1.0)
+    assert abs(limit.max_per_hour - 996.0 / 719.0) < 1e-9
+    assert limit.current_per_hour == 4.0
