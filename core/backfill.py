@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.capacity import EPS, Capacity, FloatArray, IntArray
+from core.capacity import EPS, MILLI, Capacity, FloatArray, IntArray, milli
 from core.model import Allocation, JobId, JobRequest, NodeId
 from core.placement import levels_to_try
 
@@ -73,7 +73,7 @@ def _empty_slots(cap: Capacity, idx: IntArray, job: JobRequest) -> FloatArray:
     if job.accelerators >= 1:
         slots = np.floor(devices / round(job.accelerators))
     elif job.accelerators > 0:
-        slots = devices * math.floor(1.0 / job.accelerators + EPS)
+        slots = devices * float(MILLI // milli(job.accelerators))
     else:
         slots = np.full(idx.size, float(job.replicas))
     return slots

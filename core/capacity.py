@@ -1,10 +1,12 @@
 """The fleet's free capacity while decisions are being made: numpy arrays indexed by node, charged
 by every placement and credited by every release, so that nothing is ever over-committed.
 
-Devices are not named. A node has `free_whole` untouched devices and up to `devices` shared
-devices, each with a used fraction; fractional replicas pack onto shared devices, whole replicas
-take untouched ones. Totals are exact; which physical device a fraction sits on is the
-executor's business.
+Devices are counted exactly and one by one: each device of each node has a use in thousandths
+of a device (`MILLI`), so 0.1 + 0.2 of a device is 300 and sums never drift. A whole replica
+takes untouched devices (lowest index first); a fractional one goes on the fullest device it
+still fits on, else on an untouched one. Every placement records the devices it took
+(`ReplicaPlacement.devices`), the executor books exactly those, and a state rebuilt from running
+work charges them again as they are, so the scheduler's view of each device is the executor's.
 """
 
 from __future__ import annotations
@@ -30,8 +32,17 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
-# Tolerance for sums of fractions such as 0.1 + 0.2.
+# Tolerance for float comparisons outside device accounting (CPU, memory, scores).
 EPS = 1e-9
+# Device use is counted in thousandths of a device.
+MILLI = 1000
+
+
+def milli(accelerators: float) -> int:
+    """Accelerators in exact units: thousandths of a device (a fraction takes at least one)."""
+    if accelerators <= 0:
+        return 0
+    return max(1, round(accelerators * MILLI))
 
 
 @dataclass
@@ -52,13 +63,17 @@ class Capacity:
     effective_cost: FloatArray
     domains: dict[TopologyLevel, IntArray]
     domain_names: dict[TopologyLevel, list[str]]
+    # Untouched devices per node, and each device's use in thousandths (MILLI: taken whole;
+    # columns past a node's device count are MILLI and never chosen).
     free_whole: IntArray
-    shared_used: FloatArray
+    device_used: IntArray
     free_cpu: FloatArray
     free_memory: FloatArray
-    # Free accelerators per node (whole plus unused shares of open devices), kept in step.
+    # Free thousandths per node and per cluster (exact), and the same in accelerators (for
+    # scores: computed from the exact figure, so equal nodes are exact ties).
+    free_milli: IntArray
     free_total: FloatArray
-    # Free accelerators and devices per cluster, for the availability term of the score.
+    cluster_free_milli: IntArray
     cluster_free: FloatArray
     cluster_devices: FloatArray
     # Reservation number holding the node for a waiting gang, or -1.
@@ -97,10 +112,12 @@ class Capacity:
             domains={lvl: codes for lvl, (codes, _) in domains.items()},
             domain_names={lvl: names for lvl, (_, names) in domains.items()},
             free_whole=np.array([n.accelerators for n in ordered], dtype=np.int64),
-            shared_used=np.zeros((len(ordered), max(max_devices, 1)), dtype=np.float64),
+            device_used=_padding(ordered, max(max_devices, 1)),
             free_cpu=np.array([n.cpu for n in ordered], dtype=np.float64),
             free_memory=np.array([n.memory_gb for n in ordered], dtype=np.float64),
+            free_milli=np.array([n.accelerators * MILLI for n in ordered], dtype=np.int64),
             free_total=np.array([n.accelerators for n in ordered], dtype=np.float64),
+            cluster_free_milli=(_per_cluster(ordered, cluster_names) * MILLI).astype(np.int64),
             cluster_free=_per_cluster(ordered, cluster_names),
             cluster_devices=_per_cluster(ordered, cluster_names),
             held=np.full(len(ordered), -1, dtype=np.int64),
@@ -111,10 +128,12 @@ class Capacity:
         return replace(
             self,
             free_whole=self.free_whole.copy(),
-            shared_used=self.shared_used.copy(),
+            device_used=self.device_used.copy(),
             free_cpu=self.free_cpu.copy(),
             free_memory=self.free_memory.copy(),
+            free_milli=self.free_milli.copy(),
             free_total=self.free_total.copy(),
+            cluster_free_milli=self.cluster_free_milli.copy(),
             cluster_free=self.cluster_free.copy(),
             held=self.held.copy(),
             _candidates=self._candidates,
@@ -148,71 +167,115 @@ class Capacity:
         if accelerators >= 1:
             slots = np.minimum(slots, self.free_whole[idx] // round(accelerators))
         elif accelerators > 0:
-            per_device = int(np.floor(1.0 / accelerators + EPS))
-            open_room = 1.0 - self.shared_used[idx]
-            in_shared = np.floor(open_room / accelerators + EPS).astype(np.int64)
-            in_shared[self.shared_used[idx] <= EPS] = 0
-            slots = np.minimum(slots, self.free_whole[idx] * per_device + in_shared.sum(axis=1))
+            m = milli(accelerators)
+            used = self.device_used[idx]
+            open_devices = (used > 0) & (used < MILLI)
+            in_shared = np.where(open_devices, (MILLI - used) // m, 0).sum(axis=1)
+            slots = np.minimum(slots, self.free_whole[idx] * (MILLI // m) + in_shared)
         return slots
 
     def free_accelerators(self, idx: IntArray) -> FloatArray:
         free: FloatArray = self.free_total[idx]
         return free
 
-    def take(self, node: int, accelerators: float, cpu: float, memory_gb: float) -> None:
-        """Charges one replica to a node; the caller has checked that it fits."""
+    def take(
+        self,
+        node: int,
+        accelerators: float,
+        cpu: float,
+        memory_gb: float,
+        devices: tuple[int, ...] = (),
+    ) -> tuple[int, ...]:
+        """Charges one replica to a node (on `devices` if given, as a placement names them;
+        else on the devices the packing rule picks); the devices it took. The caller has
+        checked that it fits."""
         self.free_cpu[node] -= cpu
         self.free_memory[node] -= memory_gb
-        self.free_total[node] -= accelerators
-        self.cluster_free[self.cluster_of[node]] -= accelerators
         if accelerators >= 1:
-            self.free_whole[node] -= round(accelerators)
+            count = round(accelerators)
+            chosen = devices or self._untouched(node, count)
+            for d in chosen:
+                self._use(node, d, MILLI)
         elif accelerators > 0:
-            self._take_fraction(node, accelerators)
+            chosen = devices[:1] or (self._device_for(node, milli(accelerators)),)
+            self._use(node, chosen[0], milli(accelerators))
+        else:
+            chosen = ()
+        return tuple(chosen)
 
-    def give(self, node: int, accelerators: float, cpu: float, memory_gb: float) -> None:
-        """Credits one replica back, the exact inverse of `take` in totals."""
+    def give(
+        self,
+        node: int,
+        accelerators: float,
+        cpu: float,
+        memory_gb: float,
+        devices: tuple[int, ...] = (),
+    ) -> None:
+        """Credits one replica back: the exact inverse of `take` on the same devices (a
+        replica that names none, from before placements named them, gives back what the
+        packing rule would have taken)."""
         self.free_cpu[node] += cpu
         self.free_memory[node] += memory_gb
-        self.free_total[node] += accelerators
-        self.cluster_free[self.cluster_of[node]] += accelerators
         if accelerators >= 1:
-            self.free_whole[node] += round(accelerators)
+            count = round(accelerators)
+            full = [d for d in range(int(self.devices[node])) if self.device_used[node, d] >= MILLI]
+            for d in devices or tuple(full[-count:]):
+                self._use(node, d, -MILLI)
         elif accelerators > 0:
-            self._give_fraction(node, accelerators)
+            m = milli(accelerators)
+            if devices:
+                self._use(node, devices[0], -m)
+                return
+            row = self.device_used[node, : int(self.devices[node])]
+            holding = (row >= m) & (row < MILLI)
+            if not holding.any():
+                holding = row >= m
+            if holding.any():
+                self._use(node, int(np.argmin(np.where(holding, row, MILLI + 1))), -m)
 
-    def _take_fraction(self, node: int, fraction: float) -> None:
-        used = self.shared_used[node]
-        fits = (used > EPS) & (used + fraction <= 1.0 + EPS)
-        if fits.any():
-            # Tightest open device first, so fractions fill devices instead of spreading.
-            slot = int(np.argmax(np.where(fits, used, -1.0)))
-        else:
-            slot = int(np.argmax(used <= EPS))
+    def _use(self, node: int, device: int, amount: int) -> None:
+        """Add `amount` thousandths to one device's use (negative: give back), keeping the
+        untouched count and the free totals in step."""
+        before = int(self.device_used[node, device])
+        after = max(before + amount, 0)
+        self.device_used[node, device] = after
+        if before == 0 and after > 0:
             self.free_whole[node] -= 1
-        used[slot] += fraction
-
-    def _give_fraction(self, node: int, fraction: float) -> None:
-        used = self.shared_used[node]
-        holding = used >= fraction - EPS
-        slot = int(np.argmin(np.where(holding, used, np.inf)))
-        used[slot] = max(0.0, used[slot] - fraction)
-        if used[slot] <= EPS:
-            used[slot] = 0.0
+        elif before > 0 and after == 0:
             self.free_whole[node] += 1
+        delta = after - before
+        self.free_milli[node] -= delta
+        self.free_total[node] = self.free_milli[node] / MILLI
+        cluster = self.cluster_of[node]
+        self.cluster_free_milli[cluster] -= delta
+        self.cluster_free[cluster] = self.cluster_free_milli[cluster] / MILLI
+
+    def _untouched(self, node: int, count: int) -> tuple[int, ...]:
+        row = self.device_used[node, : int(self.devices[node])]
+        return tuple(int(d) for d in np.flatnonzero(row == 0)[:count])
+
+    def _device_for(self, node: int, m: int) -> int:
+        """The fullest open device `m` thousandths still fit on, else the first untouched."""
+        row = self.device_used[node, : int(self.devices[node])]
+        fits = (row > 0) & (row + m <= MILLI)
+        if fits.any():
+            return int(np.argmax(np.where(fits, row, -1)))
+        return int(np.argmax(row == 0))
 
     def charge(self, allocations: Iterable[Allocation]) -> None:
-        """Charges running work; whole devices first so fractions pack onto what remains."""
+        """Charges running work: replicas on the devices they name first, exactly; then any
+        that name none (placed before placements named devices), whole devices first so
+        fractions pack onto what remains."""
         replicas = [r for a in allocations for r in a.replicas if r.node_id in self.index]
-        replicas.sort(key=lambda r: (r.accelerators < 1, -r.accelerators, r.node_id))
+        replicas.sort(key=lambda r: (not r.devices, r.accelerators < 1, -r.accelerators, r.node_id))
         for r in replicas:
-            self.take(self.index[r.node_id], r.accelerators, r.cpu, r.memory_gb)
+            self.take(self.index[r.node_id], r.accelerators, r.cpu, r.memory_gb, r.devices)
 
     def release(self, replicas: Iterable[ReplicaPlacement]) -> None:
         for r in replicas:
             node = self.index.get(r.node_id)
             if node is not None:
-                self.give(node, r.accelerators, r.cpu, r.memory_gb)
+                self.give(node, r.accelerators, r.cpu, r.memory_gb, r.devices)
 
 
 def _per_cluster(nodes: Sequence[Node], names: Sequence[ClusterId]) -> FloatArray:
@@ -222,6 +285,14 @@ def _per_cluster(nodes: Sequence[Node], names: Sequence[ClusterId]) -> FloatArra
         if n.healthy:
             out[lookup[n.cluster]] += n.accelerators
     return out
+
+
+def _padding(nodes: Sequence[Node], width: int) -> IntArray:
+    """Device use per node: 0 for each device it has, MILLI past them (never free)."""
+    used = np.full((len(nodes), width), MILLI, dtype=np.int64)
+    for i, n in enumerate(nodes):
+        used[i, : n.accelerators] = 0
+    return used
 
 
 def _fits(free: FloatArray, need: float) -> IntArray:

@@ -119,6 +119,9 @@ class ReplicaPlacement:
     accelerators: float
     cpu: float
     memory_gb: float
+    # The node's devices it takes (indices): the executor books exactly these. Empty for a
+    # replica without accelerators, or one placed before placements named devices.
+    devices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

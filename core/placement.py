@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from core.capacity import EPS, Capacity, FloatArray, IntArray
+from core.capacity import EPS, MILLI, Capacity, FloatArray, IntArray, milli
 from core.model import (
     TOPOLOGY_ORDER,
     Allocation,
@@ -253,7 +253,7 @@ def commit(cap: Capacity, job: JobRequest, plan: Plan, now: float) -> Allocation
     replicas: list[ReplicaPlacement] = []
     for node, count in plan.nodes:
         for _ in range(count):
-            cap.take(node, job.accelerators, job.cpu, job.memory_gb)
+            devices = cap.take(node, job.accelerators, job.cpu, job.memory_gb)
             replicas.append(
                 ReplicaPlacement(
                     replica=len(replicas),
@@ -261,6 +261,7 @@ def commit(cap: Capacity, job: JobRequest, plan: Plan, now: float) -> Allocation
                     accelerators=job.accelerators,
                     cpu=job.cpu,
                     memory_gb=job.memory_gb,
+                    devices=devices,
                 )
             )
     return Allocation(job=job, cluster=plan.cluster, replicas=tuple(replicas), start_time=now)
@@ -381,6 +382,6 @@ def _empty_slots(cap: Capacity, idx: IntArray, job: JobRequest) -> FloatArray:
     if job.accelerators >= 1:
         slots = np.minimum(slots, np.floor(devices / round(job.accelerators)))
     elif job.accelerators > 0:
-        slots = np.minimum(slots, devices * np.floor(1.0 / job.accelerators + EPS))
+        slots = np.minimum(slots, devices * float(MILLI // milli(job.accelerators)))
     result: FloatArray = slots
     return result

@@ -80,7 +80,7 @@ class CycleState:
         for r in alloc.replicas:
             node = cap.index.get(r.node_id)
             if node is not None:
-                cap.take(node, r.accelerators, r.cpu, r.memory_gb)
+                cap.take(node, r.accelerators, r.cpu, r.memory_gb, r.devices)
         job = alloc.job
         first = cap.index.get(alloc.replicas[0].node_id) if alloc.replicas else None
         if first is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.job import JobSpec
 
@@ -82,6 +82,25 @@ class ReplicaAssignment(Payload):
     accelerators: float
     cpu: float
     memory_gb: float
+    # The node's devices this replica takes (indices): one for a fraction, as many as it asks
+    # for whole ones. Empty from a scheduler that did not name them: the executor picks.
+    devices: list[int] = Field(default_factory=list, max_length=256)
+
+    @model_validator(mode="after")
+    def _devices_match(self) -> ReplicaAssignment:
+        if not self.devices:
+            return self
+        if any(d < 0 or d >= 4096 for d in self.devices) or len(set(self.devices)) != len(
+            self.devices
+        ):
+            raise ValueError("devices must be distinct device indices from 0 to 4095")
+        wanted = round(self.accelerators) if self.accelerators >= 1 else 1
+        if self.accelerators <= 0 or len(self.devices) != wanted:
+            raise ValueError(
+                f"a replica of {self.accelerators:g} accelerators names {len(self.devices)} "
+                f"devices; it takes {wanted if self.accelerators > 0 else 0}"
+            )
+        return self
 
 
 class PlacementDecided(Payload):

@@ -1,13 +1,16 @@
 """What each node of this cluster has free, down to the device, and the over-commit guard.
 
 The executor is the last line of defence: whatever the scheduler believed, a placement that
-would put more on a node than it has is refused here with the numbers.
+would put more on a node than it has is refused here with the numbers. Devices are counted in
+thousandths (`core.capacity.MILLI`), exactly as the scheduler counts them, and a replica that
+names its devices is booked on exactly those.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from core.capacity import MILLI, milli
 from core.model import Node
 from schemas.events import ReplicaAssignment
 
@@ -17,37 +20,58 @@ EPS = 1e-9
 @dataclass
 class NodeUse:
     node: Node
-    devices: list[float] = field(default_factory=list)  # free fraction per device
+    devices: list[int] = field(default_factory=list)  # free thousandths per device
     cpu: float = 0.0
     memory_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.devices:
-            self.devices = [1.0] * self.node.accelerators
+            self.devices = [MILLI] * self.node.accelerators
 
     @property
     def allocated_accelerators(self) -> float:
-        return sum(1.0 - d for d in self.devices)
+        return sum(MILLI - d for d in self.devices) / MILLI
 
 
-def _take_devices(devices: list[float], want: float) -> list[tuple[int, float]] | None:
-    """Which devices a replica of `want` accelerators would use, or None if it cannot fit."""
+def _take_devices(
+    devices: list[int], want: float, named: list[int] | None = None
+) -> list[tuple[int, int]] | str:
+    """Which devices a replica of `want` accelerators uses, as (index, thousandths); or why
+    it cannot fit. Named devices must have the room themselves."""
+    if want <= 0:
+        return []
     if want >= 1:
-        whole = [i for i, free in enumerate(devices) if free >= 1 - EPS]
         count = round(want)
-        return [(i, 1.0) for i in whole[:count]] if len(whole) >= count else None
+        if named:
+            short = [d for d in named if d >= len(devices) or devices[d] < MILLI]
+            if short:
+                return f"device(s) {short} are not free"
+            return [(d, MILLI) for d in named]
+        whole = [i for i, free in enumerate(devices) if free >= MILLI]
+        if len(whole) < count:
+            return f"{len(whole)} whole devices free"
+        return [(i, MILLI) for i in whole[:count]]
+    m = milli(want)
+    if named:
+        d = named[0]
+        free = devices[d] if d < len(devices) else 0
+        if free < m:
+            return f"device {d} has {free / MILLI:g} free"
+        return [(d, m)]
     # A fraction goes to the fullest device it still fits on, keeping whole devices whole.
-    fits = [(free, i) for i, free in enumerate(devices) if free >= want - EPS]
+    fits = [(free, i) for i, free in enumerate(devices) if free >= m]
     if not fits:
-        return None
+        return (
+            f"no device with {m / MILLI:g} free (the most is {max(devices, default=0) / MILLI:g})"
+        )
     _, best = min(fits)
-    return [(best, want)]
+    return [(best, m)]
 
 
 class NodeBook:
     def __init__(self, nodes: dict[str, Node]) -> None:
         self.use = {node_id: NodeUse(node) for node_id, node in nodes.items()}
-        self.by_job: dict[str, list[tuple[str, list[tuple[int, float]], float, float]]] = {}
+        self.by_job: dict[str, list[tuple[str, list[tuple[int, int]], float, float]]] = {}
 
     def check(self, replicas: list[ReplicaAssignment], *, new: bool = True) -> str | None:
         """Why this gang cannot be honoured on these nodes, or None if it can. A gang that
@@ -62,12 +86,13 @@ class NodeBook:
                 return f"node {r.node_id} is not in this cluster"
             if new and not use.node.healthy:
                 return f"node {r.node_id} is unhealthy"
-            taken = _take_devices(trial[r.node_id], r.accelerators)
-            if taken is None:
-                free = sum(1 for d in trial[r.node_id] if d >= 1 - EPS)
+            taken = _take_devices(trial[r.node_id], r.accelerators, r.devices)
+            if isinstance(taken, str):
+                free = sum(1 for d in trial[r.node_id] if d >= MILLI)
                 return (
                     f"node {r.node_id} has {free} whole {use.node.accelerator.type} free of "
                     f"{use.node.accelerators}; replica {r.replica} asks for {r.accelerators:g}"
+                    f"{' on ' + str(r.devices) if r.devices else ''}: {taken}"
                 )
             for i, amount in taken:
                 trial[r.node_id][i] -= amount
@@ -90,8 +115,8 @@ class NodeBook:
         held = []
         for r in replicas:
             use = self.use[r.node_id]
-            taken = _take_devices(use.devices, r.accelerators)
-            assert taken is not None, "allocate() after a failed check()"
+            taken = _take_devices(use.devices, r.accelerators, r.devices)
+            assert not isinstance(taken, str), "allocate() after a failed check()"
             for i, amount in taken:
                 use.devices[i] -= amount
             use.cpu += r.cpu
@@ -106,7 +131,7 @@ class NodeBook:
         for node_id, taken, cpu, mem in held:
             use = self.use[node_id]
             for i, amount in taken:
-                use.devices[i] = min(1.0, use.devices[i] + amount)
+                use.devices[i] = min(MILLI, use.devices[i] + amount)
             use.cpu -= cpu
             use.memory_gb -= mem
         return True
@@ -120,9 +145,9 @@ class NodeBook:
             self.use[node.node_id] = NodeUse(node)
             return
         devices = list(use.devices)
-        while len(devices) > node.accelerators and devices[-1] >= 1 - EPS:
+        while len(devices) > node.accelerators and devices[-1] >= MILLI:
             devices.pop()
-        use.devices = devices + [1.0] * (node.accelerators - len(devices))
+        use.devices = devices + [MILLI] * (node.accelerators - len(devices))
         use.node = node
 
     def remove(self, node_id: str) -> bool:
@@ -158,7 +183,7 @@ class NodeBook:
         bad = []
         for node_id, use in self.use.items():
             if (
-                any(d < -EPS for d in use.devices)
+                any(d < 0 for d in use.devices)
                 or use.cpu > use.node.cpu + EPS
                 or use.memory_gb > use.node.memory_gb + EPS
             ):

@@ -100,6 +100,7 @@ def placement_event(
                 accelerators=r.accelerators,
                 cpu=r.cpu,
                 memory_gb=r.memory_gb,
+                devices=list(r.devices),
             )
             for r in alloc.replicas
         ],
@@ -112,7 +113,14 @@ def allocation_from_event(p: PlacementDecided, request: JobRequest, at: float) -
         job=request,
         cluster=ClusterId(p.cluster),
         replicas=tuple(
-            ReplicaPlacement(r.replica, NodeId(r.node_id), r.accelerators, r.cpu, r.memory_gb)
+            ReplicaPlacement(
+                r.replica,
+                NodeId(r.node_id),
+                r.accelerators,
+                r.cpu,
+                r.memory_gb,
+                tuple(r.devices),
+            )
             for r in p.replicas
         ),
         start_time=at,

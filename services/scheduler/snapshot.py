@@ -43,6 +43,9 @@ class _Running(BaseModel):
     cluster: str
     # (replica, node, accelerators, cpu, memory_gb) per replica.
     replicas: list[tuple[int, str, float, float, float]]
+    # Each replica's devices, in the same order (empty in snapshots written before placements
+    # named devices: those replicas are charged by the packing rule).
+    devices: list[list[int]] = []
     start_time: float
     attempt: int
     epoch: int
@@ -131,6 +134,7 @@ def _frozen(state: SchedulerState, marks: Marks) -> SchedulerSnapshot:
                     (r.replica, r.node_id, r.accelerators, r.cpu, r.memory_gb)
                     for r in alloc.replicas
                 ],
+                devices=[list(r.devices) for r in alloc.replicas],
                 start_time=alloc.start_time,
                 attempt=state.running_attempt[job_id],
                 epoch=state.running_epoch.get(job_id, 0),
@@ -184,8 +188,15 @@ def restore(state: SchedulerState, snap: SchedulerSnapshot) -> Marks:
             job=job_request(state.queued[job_id], scale),
             cluster=ClusterId(r.cluster),
             replicas=tuple(
-                ReplicaPlacement(replica, NodeId(node), acc, cpu, mem)
-                for replica, node, acc, cpu, mem in r.replicas
+                ReplicaPlacement(
+                    replica,
+                    NodeId(node),
+                    acc,
+                    cpu,
+                    mem,
+                    tuple(r.devices[i]) if i < len(r.devices) else (),
+                )
+                for i, (replica, node, acc, cpu, mem) in enumerate(r.replicas)
             ),
             start_time=r.start_time,
         )

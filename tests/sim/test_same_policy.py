@@ -16,18 +16,56 @@ from sim.engine import Simulation
 from sim.fleet import pool_fleet
 from sim.report import summarize
 from sim.variants import variant, with_quotas
+from sim.workload import SimJob, _request, gang_shape
 from tests.sim.test_scenarios import synthetic
 
 
-@pytest.mark.parametrize("name", ["fifo", "fifo-backfill", "default", "las", "quotas"])
+def mixed(n: int, seed: int, pool_gpus: float, load: float) -> list[SimJob]:
+    """Mostly fractional work (shares of 0.05-0.95 of a device, as in GPU-sharing traces) with
+    whole-device jobs and gangs among it."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(n):
+        if rng.random() < 0.7:
+            replicas, per = rng.choice([1, 1, 1, 2, 3]), rng.randint(5, 95) / 100
+        else:
+            replicas, per = gang_shape(rng.choice([1, 1, 2, 4, 8, 16]))
+        specs.append((i, replicas, per, min(rng.lognormvariate(6.5, 1.4), 50_000.0)))
+    span = sum(r * a * d for _, r, a, d in specs) / (pool_gpus * load)
+    jobs = [
+        SimJob(_request(f"m{i:05d}", rng.uniform(0, span), f"t{i % 3}", r, a), d)
+        for i, r, a, d in specs
+    ]
+    return sorted(jobs, key=lambda j: (j.request.submit_time, j.request.job_id))
+
+
+@pytest.mark.parametrize(
+    "name,work",
+    [
+        ("fifo", "whole"),
+        ("fifo-backfill", "whole"),
+        ("default", "whole"),
+        ("las", "whole"),
+        ("quotas", "whole"),
+        ("default", "mixed"),
+        ("las", "mixed"),
+        ("fifo-backfill", "mixed"),
+    ],
+)
 def test_every_cycle_decides_like_a_fresh_snapshot(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, work: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With whole devices, and with mostly fractional work: the snapshot rebuild charges
+    each running replica on the devices its placement named, so the two agree device by
+    device (it once re-packed fractions and saw room the executor would refuse)."""
     if name == "quotas":
         pol = with_quotas(Policy.default(), {"t0": 16.0, "t1": 8.0, "t2": 8.0})
     else:
         pol = variant(Policy.default(), name)
-    jobs = synthetic(250, seed=11, pool_gpus=32, load=1.2)
+    if work == "mixed":
+        jobs = mixed(400, seed=5, pool_gpus=32, load=1.2)
+    else:
+        jobs = synthetic(250, seed=11, pool_gpus=32, load=1.2)
     clusters, nodes = pool_fleet("4x8", pol)
     sim = Simulation(clusters, nodes, pol, jobs)
     checked = 0
@@ -51,6 +89,6 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
 
     monkeypatch.setattr(engine, "decide", checked_decide)
     summary = summarize(sim.run(), sim.trace)
-    assert summary["finished"] == 250 and checked > 100
+    assert summary["finished"] == len(jobs) and checked > 100
     if name in ("las", "quotas"):
         assert summary["preemptions"] > 0
