@@ -4,6 +4,7 @@ nodes. Pure: the caller reads the file. Node ids are `<cluster>-<prefix>-<index:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -158,6 +159,8 @@ def _whole(value: Any, where: str) -> int:
     return value
 
 
+# A DNS label of at most 40: a Kubernetes label value and part of node and request names.
+_POOL_NAME = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,38}[a-z0-9])?")
 _POOL_KEYS = {
     "name",
     "accelerator_type",
@@ -221,8 +224,11 @@ def _pool(
     if unknown:
         raise FleetError(f"{where}: unknown key(s) {unknown}")
     name = group.get("name")
-    if not isinstance(name, str) or not name.replace("-", "").isalnum() or len(name) > 40:
-        raise FleetError(f"{where}.name: expected a short name of letters, digits and '-'")
+    if not isinstance(name, str) or not _POOL_NAME.fullmatch(name):
+        raise FleetError(
+            f"{where}.name: expected a name of at most 40 lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit (it labels the pool's nodes)"
+        )
     model = _model(group, where, known)
     tier = _tier(group.get("price_tier", "on_demand"), f"{where}.price_tier")
     price = cluster.prices.get((model.type, tier), fallback.get((model.type, tier)))

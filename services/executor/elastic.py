@@ -25,6 +25,9 @@ log = structlog.get_logger()
 
 
 class ElasticPools:
+    # Seconds between looks at the pools (nodes due, empty nodes).
+    every_s = 0.5
+
     def __init__(
         self,
         book: PoolBook,
@@ -90,9 +93,9 @@ class ElasticPools:
         """The pools' ready nodes, for the inventory."""
         return self.book.ready_nodes()
 
-    async def run_forever(self, every_s: float = 0.5) -> None:
+    async def run_forever(self) -> None:
         while True:
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(self.every_s)
             try:
                 await self.tick(utcnow())
             except Exception as error:  # the store may be away: the next tick tries again

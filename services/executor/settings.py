@@ -78,6 +78,9 @@ class ExecutorSettings(ServiceSettings):
     kube_pool_label: str = "quartermaster.io/pool"
     kube_provisioning_class: str = "best-effort-atomic-scale-up.autoscaling.x-k8s.io"
     kube_pool_retry_failed_after_s: float = 300.0
+    # A request not provisioned this long failed (cluster-autoscaler keeps retrying a stockout
+    # without saying Failed); unset: twice the pool's provision_s plus a minute.
+    kube_provisioning_timeout_s: float | None = None
 
 
 # A cluster's `backend:` entry in the fleet file (docs/executor.md) and the settings it sets.

@@ -14,9 +14,10 @@ weights at a month's turn or a deprioritization), after a cycle that raised half
 a check that nothing drifted, every `verify_every` cycles: then the kept state is compared with
 the rebuilt one, and a difference is logged and counted (and the rebuilt one kept).
 
-Device packing of fractional work follows the order in which it was placed here, as the
-executor's ledger does; a rebuild packs what runs largest first instead (see
-`core.capacity.Capacity.charge`). The check compares free accelerators per node, not per device.
+Placements name the devices each replica takes, so the kept state and a rebuild charge the same
+devices (`core.capacity.Capacity.charge`): the check compares free capacity per node and each
+device's use. Only a placement that names no devices (from a leader of an older version) is
+packed by rule, which may differ between the two; that is logged as a drift and rebuilt.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class WorkingSet:
 
 def differences(kept: CycleState, fresh: CycleState) -> list[str]:
     """What differs between a kept working set and one rebuilt from the same events (empty
-    when they agree). Free capacity is compared per node (totals), not per device."""
+    when they agree): free capacity per node, and each device's use."""
     out: list[str] = []
     if set(kept.running) != set(fresh.running):
         out.append(f"running: {sorted(set(kept.running) ^ set(fresh.running))[:5]}")
@@ -177,6 +178,10 @@ def differences(kept: CycleState, fresh: CycleState) -> list[str]:
         if bad.size:
             node = kept.cap.nodes[int(bad[0])].node_id
             out.append(f"{name} on {bad.size} nodes, e.g. {node}: {a[bad[0]]} != {b[bad[0]]}")
+    devices = np.flatnonzero((kept.cap.device_used != fresh.cap.device_used).any(axis=1))
+    if devices.size:
+        node = kept.cap.nodes[int(devices[0])].node_id
+        out.append(f"device use on {devices.size} nodes, e.g. {node}")
     if kept.types_of != fresh.types_of:
         out.append("accelerator types of running jobs")
     for key in set(kept.quota.used) | set(fresh.quota.used):

@@ -96,6 +96,14 @@ class Inventory:
                             return env.payload
 
 
+def marked(double: Any, name: str) -> bool:
+    node = double.find("nodes", None, name)
+    annotations = (node or {}).get("metadata", {}).get("annotations") or {}
+    return bool(
+        annotations.get(KEEP) == "true" and annotations.get("quartermaster.io/provisioned-by")
+    )
+
+
 def pool(cap: dict[str, Any]) -> dict[str, Any]:
     return next(p for p in cap["pools"] if p["pool"] == POOL)
 
@@ -160,7 +168,7 @@ async def test_a_pool_grows_by_provisioning_request_and_shrinks_by_releasing_emp
             await decide(bootstrap, cluster, 2)
             # One request for both nodes while they come; the decision read again (a new
             # envelope of the same size) asks nothing more.
-            cap = await inventory.until(lambda c: len(pool(c)["nodes"]) == 2)
+            await inventory.until(lambda c: len(pool(c)["nodes"]) == 2)
             await decide(bootstrap, cluster, 2)
             cap = await inventory.until(lambda c: len(ready(c)) == 2)
             assert [(a.group, a.count, a.outcome) for a in autoscaler.asked] == [
@@ -168,47 +176,66 @@ async def test_a_pool_grows_by_provisioning_request_and_shrinks_by_releasing_emp
             ]
             nodes = sorted(autoscaler.asked[0].nodes)
             assert sorted(ready(cap)) == nodes
-            # The scheduler sees them as nodes of the cluster, and the pool keeps them.
-            cap = await inventory.until(
+            # The scheduler sees them as nodes of the cluster; the met request and its
+            # template are gone; each node is kept from scale-down and marked with its request.
+            await inventory.until(
                 lambda c: set(nodes) <= {n["node_id"] for n in c["nodes"]} and not requests()
             )
-            # The request and its template are gone once met; the template asked whole nodes.
             assert not double.objects("podtemplates", NAMESPACE)
             spec = autoscaler.asked[0].template
             assert spec["nodeSelector"] == {"quartermaster.io/pool": POOL}
             assert spec["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}
             for name in nodes:
-                node = double.find("nodes", None, name)
-                assert node is not None and node["metadata"]["annotations"][KEEP] == "true"
-
-        # A restart: the pool's size and nodes are read back; nothing is asked again.
-        async with running(create_app(settings)):
-            cap = await inventory.until(lambda c: sorted(ready(c)) == nodes)
-            assert pool(cap)["desired_nodes"] == 2
-            assert len(autoscaler.asked) == 1
-
-            # The autoscaler lets one empty node go: cordoned, unprotected, then taken away.
-            await decide(bootstrap, cluster, 1, remove=[nodes[0]])
-            cap = await inventory.until(
-                lambda c: (
-                    ready(c) == [nodes[1]] and nodes[0] not in {n["node_id"] for n in c["nodes"]}
-                )
-            )
-            assert pool(cap)["desired_nodes"] == 1
-            await inventory.until(lambda _c: autoscaler.removed == [nodes[0]])
-            assert double.find("nodes", None, nodes[1]) is not None
-
-            # A stockout: the request fails, the pool says why and drops back to what it has,
-            # and asks nothing more until the autoscaler decides again.
+                await inventory.until(lambda _c, n=name: marked(double, n))
+            # A third node while the zone is out of stock: cluster-autoscaler keeps trying; the
+            # executor stops (a crash, a rollout) while the request is open.
             out_of_stock.add(POOL)
             await decide(bootstrap, cluster, 3)
+            await inventory.until(lambda c: len(pool(c)["nodes"]) == 3 and len(ready(c)) == 2)
+            await inventory.until(lambda _c: autoscaler.asked[-1].outcome == "waiting")
+            assert [a.outcome for a in autoscaler.asked] == ["provisioned", "waiting"]
+            # Its placeholders may not land on a node the pool has (else "capacity is found").
+            (term,) = autoscaler.asked[1].template["affinity"]["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"]
+            assert term["matchFields"][0]["values"] == nodes
+
+        # Restarted: the open request is found and counted, nothing is asked again; when the
+        # stock comes back its node joins.
+        async with running(create_app(settings)):
+            cap = await inventory.until(lambda c: len(pool(c)["nodes"]) == 3)
+            assert pool(cap)["desired_nodes"] == 3 and len(autoscaler.asked) == 2
+            out_of_stock.clear()
+            cap = await inventory.until(lambda c: len(ready(c)) == 3)
+            assert len(autoscaler.asked) == 2
+            third = autoscaler.asked[1].nodes[0]
+
+            # The autoscaler lets one empty node go: cordoned, unprotected, then taken away.
+            await decide(bootstrap, cluster, 2, remove=[nodes[0]])
+            cap = await inventory.until(
+                lambda c: (
+                    sorted(ready(c)) == sorted([nodes[1], third])
+                    and nodes[0] not in {n["node_id"] for n in c["nodes"]}
+                )
+            )
+            assert pool(cap)["desired_nodes"] == 2
+            await inventory.until(lambda _c: autoscaler.removed == [nodes[0]])
+
+        # A stockout that outlasts the pool's timeout (3 s here): the request is deleted, the
+        # pool says why and drops back to what it has, and asks nothing more.
+        quick = settings.model_copy(update={"kube_provisioning_timeout_s": 3.0})
+        async with running(create_app(quick)):
+            out_of_stock.add(POOL)
+            await decide(bootstrap, cluster, 3)
+            await inventory.until(lambda _c: autoscaler.asked[-1].outcome == "waiting")
             cap = await inventory.until(lambda c: "stockout" in (pool(c).get("failing") or ""))
-            assert pool(cap)["desired_nodes"] == 1
-            for _ in range(5):
+            assert "not provisioned within" in pool(cap)["failing"]
+            assert pool(cap)["desired_nodes"] == 2
+            for _ in range(10):
                 cap = await inventory.until(lambda _c: True)
-            assert [a.outcome for a in autoscaler.asked] == ["provisioned", "failed"]
-            assert not requests()
-            assert ready(cap) == [nodes[1]]
+            assert [a.outcome for a in autoscaler.asked] == ["provisioned"] * 2 + ["waiting"]
+            assert not requests() and not double.objects("podtemplates", NAMESPACE)
+            assert sorted(ready(cap)) == sorted([nodes[1], third])
 
     # Everything it asked of the API is within what deploy/k8s grants the executor.
     asked = {(q.verb, q.resource.split("/")[0]) for q in double.requests}

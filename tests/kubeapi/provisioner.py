@@ -1,10 +1,14 @@
 """A cluster-autoscaler for the double: it answers ProvisioningRequests and removes empty nodes,
 as cluster-autoscaler does with the `best-effort-atomic-scale-up` class.
 
-- A new request is `Accepted`; after `provision_delay` s its node group (the one the pod
-  template's nodeSelector names through `pool_label`) gets all the nodes asked, then the request
-  is `Provisioned` — or, if the group is out of stock (`stockout(group)`) or would pass its
-  maximum, none come and it is `Failed`, with a message saying why.
+- A new request is `Accepted`. Every `provision_delay` s it is looked at: if its placeholder
+  pods (the pod template's nodeSelector names the node group through `pool_label`) fit on
+  empty schedulable nodes of the group that the template's `matchFields metadata.name NotIn`
+  does not exclude, it is `Provisioned` with reason `CapacityIsFound` and nothing is added;
+  else, if the group is out of stock (`stockout(group)`) or would pass its maximum, nothing
+  is added and it stays `Provisioned=False` (`CapacityIsNotFound`), to be tried again at the
+  next look, as cluster-autoscaler does (it says `Failed` only when a request expires, after
+  days); else all the nodes asked are added and it is `Provisioned`.
 - A node of a group that is cordoned, not annotated `scale-down-disabled: "true"`, and has no
   pod on it is deleted `scale_down_delay` s later (checked again then).
 
@@ -41,7 +45,7 @@ class Asked:
     name: str
     group: str
     count: int
-    outcome: str = "pending"  # provisioned | failed
+    outcome: str = "pending"  # provisioned | found | waiting
     nodes: list[str] = field(default_factory=list)
     # The pod template's spec as it was when the request came (both go once it is met).
     template: Obj = field(default_factory=dict)
@@ -107,19 +111,21 @@ class ClusterAutoscaler:
         asked = next(a for a in self.asked if a.name == name)
         group = self.groups.get(asked.group)
         status = dict(pr.get("status") or {})
-        if group is None or self.stockout(asked.group):
+        if group is not None and self._found(group.name, asked):
+            set_condition(status, "Provisioned", "True", "CapacityIsFound", "capacity is found")
+            asked.outcome = "found"
+        elif group is None or self.stockout(asked.group):
             why = (
                 f"no node group matches pool {asked.group!r}"
                 if group is None
                 else f"stockout: node group {asked.group} has no capacity in its zone"
             )
-            set_condition(status, "Failed", "True", "FailedToScaleUp", why)
             set_condition(status, "Provisioned", "False", "CapacityIsNotFound", why)
-            asked.outcome = "failed"
+            asked.outcome = "waiting"
         elif self._size(group.name) + asked.count > group.max_nodes:
             why = f"node group {group.name} would pass its maximum of {group.max_nodes} nodes"
-            set_condition(status, "Failed", "True", "FailedToScaleUp", why)
-            asked.outcome = "failed"
+            set_condition(status, "Provisioned", "False", "CapacityIsNotFound", why)
+            asked.outcome = "waiting"
         else:
             for _ in range(asked.count):
                 seq = self._made.get(group.name, 0)
@@ -131,6 +137,35 @@ class ClusterAutoscaler:
             set_condition(status, "Provisioned", "True", "Provisioned", "capacity is available")
             asked.outcome = "provisioned"
         self.double.set_status(REQUESTS, namespace, name, status, merge=False)
+        if asked.outcome == "waiting":  # looked at again, as cluster-autoscaler's loop does
+            self._loop.call_later(self.provision_delay, self._provision, namespace, name, uid)
+
+    def _found(self, group: str, asked: Asked) -> bool:
+        """Whether the placeholders fit on empty, schedulable nodes of the group that the
+        template does not exclude (its `metadata.name NotIn` match fields)."""
+        excluded: set[str] = set()
+        terms = (
+            ((asked.template.get("affinity") or {}).get("nodeAffinity") or {}).get(
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            )
+            or {}
+        ).get("nodeSelectorTerms") or []
+        for term in terms:
+            for f in term.get("matchFields") or []:
+                if f.get("key") == "metadata.name" and f.get("operator") == "NotIn":
+                    excluded |= set(f.get("values") or [])
+        free = [
+            n
+            for n in self.double.objects("nodes")
+            if (n["metadata"].get("labels") or {}).get(self.pool_label) == group
+            and n["metadata"]["name"] not in excluded
+            and not (n.get("spec") or {}).get("unschedulable")
+            and not self._pods_on(n["metadata"]["name"])
+        ]
+        return len(free) >= asked.count
+
+    def _pods_on(self, node: str) -> bool:
+        return any(p["spec"].get("nodeName") == node for p in self.double.objects("pods"))
 
     def _size(self, group: str) -> int:
         return sum(
@@ -154,8 +189,7 @@ class ClusterAutoscaler:
             return False
         if not (node.get("spec") or {}).get("unschedulable"):
             return False
-        name = meta["name"]
-        return not any(p["spec"].get("nodeName") == name for p in self.double.objects("pods"))
+        return not self._pods_on(meta["name"])
 
     def _remove(self, name: str) -> None:
         self._doomed.discard(name)

@@ -53,7 +53,7 @@ EXECUTOR_SCOPE = {
     "pods": {"create", "get", "list", "watch", "patch", "delete"},
     "services": {"create", "get", "list", "delete"},
     "poddisruptionbudgets": {"create", "get", "delete"},
-    "podtemplates": {"create", "delete"},
+    "podtemplates": {"create", "list", "delete"},
     "provisioningrequests": {"create", "list", "delete"},
     "nodes": {"get", "list", "watch", "patch"},
     "events": {"create"},

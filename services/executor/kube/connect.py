@@ -84,4 +84,5 @@ def provisioning_options(settings: ExecutorSettings, labels: NodeLabels) -> Prov
         resource=labels.resource,
         toleration_keys=tuple(settings.kube_toleration_keys),
         retry_failed_after_s=settings.kube_pool_retry_failed_after_s,
+        timeout_s=settings.kube_provisioning_timeout_s,
     )

@@ -242,6 +242,12 @@ class World:
             # A node the inventory no longer lists (it left while the placement was on its
             # way): nothing is charged for it, in the kept state as in a rebuild.
             chosen = replace(chosen, node_id=NodeId(f"{chosen.node_id}-gone"))
+        # Every leader names the devices each replica takes (perhaps ones ours holds: a
+        # deposed leader's view); a replica larger than the node cannot name them, and a
+        # leader would not place it there.
+        per = round(job.accelerators) if job.accelerators >= 1 else 1
+        if job.accelerators > 0 and per > chosen.accelerators:
+            return
         event = PlacementDecided(
             job_id=job_id,
             attempt=self.state.next_attempt(job_id),
@@ -257,6 +263,9 @@ class World:
                     accelerators=job.accelerators,
                     cpu=job.cpu,
                     memory_gb=job.memory_gb,
+                    devices=[(r * per + i) % chosen.accelerators for i in range(per)]
+                    if job.accelerators > 0
+                    else [],
                 )
                 for r in range(job.replicas)
             ],
