@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from core.capacity import MILLI, milli
 from core.model import (
     AcceleratorModel,
     ClusterId,
@@ -306,7 +307,7 @@ def _per_node(job: JobRequest, pool: NodePool) -> int:
         limits.append(pool.accelerators_per_node / job.accelerators)
     elif job.accelerators > 0:
         # Fractions share a device but never span two.
-        limits.append(pool.accelerators_per_node * math.floor(1.0 / job.accelerators + EPS))
+        limits.append(pool.accelerators_per_node * (MILLI // milli(job.accelerators)))
     fit = min(limits)
     return int(min(fit + EPS, 10**6)) if fit != math.inf else 10**6
 

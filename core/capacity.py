@@ -11,6 +11,7 @@ work charges them again as they are, so the scheduler's view of each device is t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -39,10 +40,12 @@ MILLI = 1000
 
 
 def milli(accelerators: float) -> int:
-    """Accelerators in exact units: thousandths of a device (a fraction takes at least one)."""
+    """Accelerators in exact units: thousandths of a device, rounded up (a request is never
+    booked below what it asked: three of 0.3334 do not share one device), with a tolerance
+    for the float's own error (0.3 is 300, not 301)."""
     if accelerators <= 0:
         return 0
-    return max(1, round(accelerators * MILLI))
+    return max(1, math.ceil(accelerators * MILLI - 1e-6))
 
 
 @dataclass
@@ -186,18 +189,17 @@ class Capacity:
         memory_gb: float,
         devices: tuple[int, ...] = (),
     ) -> tuple[int, ...]:
-        """Charges one replica to a node (on `devices` if given, as a placement names them;
-        else on the devices the packing rule picks); the devices it took. The caller has
-        checked that it fits."""
+        """Charges one replica to a node (on `devices` if given and valid for the node, as a
+        placement names them; else on the devices the packing rule picks); the devices it
+        took. The caller has checked that it fits."""
         self.free_cpu[node] -= cpu
         self.free_memory[node] -= memory_gb
+        named = self._valid(node, accelerators, devices)
         if accelerators >= 1:
-            count = round(accelerators)
-            chosen = devices or self._untouched(node, count)
-            for d in chosen:
-                self._use(node, d, MILLI)
+            chosen = named or self._untouched(node, round(accelerators))
+            self._use_whole(node, chosen, MILLI)
         elif accelerators > 0:
-            chosen = devices[:1] or (self._device_for(node, milli(accelerators)),)
+            chosen = named or (self._device_for(node, milli(accelerators)),)
             self._use(node, chosen[0], milli(accelerators))
         else:
             chosen = ()
@@ -213,18 +215,20 @@ class Capacity:
     ) -> None:
         """Credits one replica back: the exact inverse of `take` on the same devices (a
         replica that names none, from before placements named them, gives back what the
-        packing rule would have taken)."""
+        packing rule would have taken: the lowest full devices, or the device holding its
+        fraction most tightly)."""
         self.free_cpu[node] += cpu
         self.free_memory[node] += memory_gb
+        named = self._valid(node, accelerators, devices)
         if accelerators >= 1:
-            count = round(accelerators)
-            full = [d for d in range(int(self.devices[node])) if self.device_used[node, d] >= MILLI]
-            for d in devices or tuple(full[-count:]):
-                self._use(node, d, -MILLI)
+            if not named:
+                row = self.device_used[node, : int(self.devices[node])]
+                named = tuple(int(d) for d in np.flatnonzero(row >= MILLI)[: round(accelerators)])
+            self._use_whole(node, named, -MILLI)
         elif accelerators > 0:
             m = milli(accelerators)
-            if devices:
-                self._use(node, devices[0], -m)
+            if named:
+                self._use(node, named[0], -m)
                 return
             row = self.device_used[node, : int(self.devices[node])]
             holding = (row >= m) & (row < MILLI)
@@ -232,6 +236,38 @@ class Capacity:
                 holding = row >= m
             if holding.any():
                 self._use(node, int(np.argmin(np.where(holding, row, MILLI + 1))), -m)
+
+    def _valid(self, node: int, accelerators: float, devices: tuple[int, ...]) -> tuple[int, ...]:
+        """`devices` if they can be this replica's on this node (distinct, on the node, as many
+        as it takes); else () and the packing rule decides. A node that lost devices since, or
+        a careless producer, must never index past the node's devices."""
+        if not devices:
+            return ()
+        count = round(accelerators) if accelerators >= 1 else 1
+        limit = int(self.devices[node])
+        if len(devices) != count or len(set(devices)) != count:
+            return ()
+        if any(d < 0 or d >= limit for d in devices):
+            return ()
+        return devices
+
+    def _use_whole(self, node: int, devices: tuple[int, ...], amount: int) -> None:
+        """Whole devices taken (`amount` MILLI) or given back (-MILLI), in one step."""
+        if not devices:
+            return
+        cols = np.array(devices, dtype=np.int64)
+        before = self.device_used[node, cols]
+        after = np.maximum(before + amount, 0)
+        self.device_used[node, cols] = after
+        self.free_whole[node] += int(((before > 0) & (after == 0)).sum()) - int(
+            ((before == 0) & (after > 0)).sum()
+        )
+        delta = int((after - before).sum())
+        self.free_milli[node] -= delta
+        self.free_total[node] = self.free_milli[node] / MILLI
+        cluster = self.cluster_of[node]
+        self.cluster_free_milli[cluster] -= delta
+        self.cluster_free[cluster] = self.cluster_free_milli[cluster] / MILLI
 
     def _use(self, node: int, device: int, amount: int) -> None:
         """Add `amount` thousandths to one device's use (negative: give back), keeping the

@@ -84,7 +84,7 @@ class ReplicaAssignment(Payload):
     memory_gb: float
     # The node's devices this replica takes (indices): one for a fraction, as many as it asks
     # for whole ones. Empty from a scheduler that did not name them: the executor picks.
-    devices: list[int] = Field(default_factory=list, max_length=256)
+    devices: list[int] = Field(default_factory=list, max_length=1024)
 
     @model_validator(mode="after")
     def _devices_match(self) -> ReplicaAssignment:
@@ -94,6 +94,11 @@ class ReplicaAssignment(Payload):
             self.devices
         ):
             raise ValueError("devices must be distinct device indices from 0 to 4095")
+        if self.accelerators >= 1 and self.accelerators != int(self.accelerators):
+            raise ValueError(
+                f"a replica of {self.accelerators:g} accelerators names devices: whole "
+                "devices come in whole numbers"
+            )
         wanted = round(self.accelerators) if self.accelerators >= 1 else 1
         if self.accelerators <= 0 or len(self.devices) != wanted:
             raise ValueError(

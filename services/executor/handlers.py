@@ -116,6 +116,12 @@ class Executor:
         self.running.clear()
         self.due.clear()
         self.epoch, self.tombstones = epoch, tombstones
+        # Runs whose replicas name their devices first (booked exactly there), then the rest
+        # in the order they started (as they were booked when they came).
+        jobs = sorted(
+            jobs,
+            key=lambda j: (not all(r.devices for r in j.replicas), j.started_at, j.job_id),
+        )
         for job in jobs:
             if self.book.check(job.replicas, new=False) is None:
                 self.book.allocate(job.job_id, job.replicas)

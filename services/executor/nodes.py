@@ -34,32 +34,35 @@ class NodeUse:
 
 
 def _take_devices(
-    devices: list[int], want: float, named: list[int] | None = None
+    devices: list[int], want: float, named: list[int] | None = None, limit: int | None = None
 ) -> list[tuple[int, int]] | str:
     """Which devices a replica of `want` accelerators uses, as (index, thousandths); or why
-    it cannot fit. Named devices must have the room themselves."""
+    it cannot fit. Named devices must have the room themselves. Only the first `limit`
+    devices are the node's now (a device it stopped offering may stay booked past them)."""
     if want <= 0:
         return []
+    limit = len(devices) if limit is None else min(limit, len(devices))
+    if named and any(d >= limit for d in named):
+        return f"device(s) {[d for d in named if d >= limit]} are not on the node ({limit})"
     if want >= 1:
         count = round(want)
         if named:
-            short = [d for d in named if d >= len(devices) or devices[d] < MILLI]
+            short = [d for d in named if devices[d] < MILLI]
             if short:
                 return f"device(s) {short} are not free"
             return [(d, MILLI) for d in named]
-        whole = [i for i, free in enumerate(devices) if free >= MILLI]
+        whole = [i for i, free in enumerate(devices[:limit]) if free >= MILLI]
         if len(whole) < count:
             return f"{len(whole)} whole devices free"
         return [(i, MILLI) for i in whole[:count]]
     m = milli(want)
     if named:
         d = named[0]
-        free = devices[d] if d < len(devices) else 0
-        if free < m:
-            return f"device {d} has {free / MILLI:g} free"
+        if devices[d] < m:
+            return f"device {d} has {devices[d] / MILLI:g} free"
         return [(d, m)]
     # A fraction goes to the fullest device it still fits on, keeping whole devices whole.
-    fits = [(free, i) for i, free in enumerate(devices) if free >= m]
+    fits = [(free, i) for i, free in enumerate(devices[:limit]) if free >= m]
     if not fits:
         return (
             f"no device with {m / MILLI:g} free (the most is {max(devices, default=0) / MILLI:g})"
@@ -86,7 +89,9 @@ class NodeBook:
                 return f"node {r.node_id} is not in this cluster"
             if new and not use.node.healthy:
                 return f"node {r.node_id} is unhealthy"
-            taken = _take_devices(trial[r.node_id], r.accelerators, r.devices)
+            taken = _take_devices(
+                trial[r.node_id], r.accelerators, r.devices, use.node.accelerators
+            )
             if isinstance(taken, str):
                 free = sum(1 for d in trial[r.node_id] if d >= MILLI)
                 return (
@@ -115,7 +120,7 @@ class NodeBook:
         held = []
         for r in replicas:
             use = self.use[r.node_id]
-            taken = _take_devices(use.devices, r.accelerators, r.devices)
+            taken = _take_devices(use.devices, r.accelerators, r.devices, use.node.accelerators)
             assert not isinstance(taken, str), "allocate() after a failed check()"
             for i, amount in taken:
                 use.devices[i] -= amount

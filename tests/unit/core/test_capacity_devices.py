@@ -181,3 +181,34 @@ def test_the_issues_node_a_rebuild_once_saw_room_on() -> None:
     legacy = Capacity.build(nodes, {}, {})
     legacy.charge([replace(a, replicas=(replace(a.replicas[0], devices=()),)) for a in running])
     assert int(legacy.free_milli[0]) == 370
+
+
+def test_named_devices_a_node_does_not_have_are_never_indexed() -> None:
+    """A placement naming devices past the node's (a careless producer, or a node that lost
+    devices since), or the same device twice, or too few, is charged by the packing rule:
+    nothing raises and nothing lands outside the node."""
+    nodes = fleet([2, 8])
+    cap = Capacity.build(nodes, {}, {})
+    for bad in ((4000,), (2,), (0, 0), (0,)):
+        taken = cap.take(0, 2.0 if len(bad) == 2 else 1.0, 0.0, 0.0, bad)
+        assert all(0 <= d < 2 for d in taken)
+        cap.give(0, 2.0 if len(bad) == 2 else 1.0, 0.0, 0.0, bad)
+    assert int(cap.free_milli[0]) == 2 * MILLI and int(cap.free_whole[0]) == 2
+    # The padding past a 2-device node (the fleet's widest has 8) is never touched.
+    assert (cap.device_used[0, 2:] == MILLI).all()
+
+
+def test_a_share_is_never_booked_below_what_it_asks() -> None:
+    """Thousandths round up: three replicas of 0.3334 (1.0002 in all) never share a device,
+    in the scheduler's books or the executor's."""
+    assert milli(0.3334) == 334 and milli(0.1 + 0.2) == 300 and milli(0.0004) == 1
+    nodes = fleet([1])
+    cap = Capacity.build(nodes, {}, {})
+    assert int(cap.slots(np.array([0]), 0.3334, 0.0, 0.0)[0]) == 2
+    book = NodeBook({str(k): v for k, v in nodes.items()})
+    for i in range(2):
+        one = [ReplicaAssignment(replica=0, node_id="n0", accelerators=0.3334, cpu=0, memory_gb=0)]
+        assert book.check(one) is None
+        book.allocate(f"j{i}", one)
+    third = [ReplicaAssignment(replica=0, node_id="n0", accelerators=0.3334, cpu=0, memory_gb=0)]
+    assert book.check(third) is not None
