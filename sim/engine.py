@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from core.capacity import EPS
+from core.capacity import EPS, MILLI, milli
 from core.cycle import CycleState, decide
 from core.fairshare import decay
 from core.model import Allocation, Cluster, ClusterId, JobId, Node, NodeId, Snapshot, TenantId
@@ -127,6 +127,7 @@ class Simulation:
         self._usage_at = 0.0
         # An independent ledger of accelerators per node, to catch over-commit by recount.
         self._on_node: dict[NodeId, float] = {}
+        self._on_device: dict[tuple[NodeId, int], int] = {}
         self._devices = {n.node_id: float(n.accelerators) for n in nodes.values()}
         self._cycle_due: float | None = None
         self._last_cycle = float("-inf")
@@ -301,9 +302,17 @@ class Simulation:
         self.state.queues.add(alloc.job, rec.attained)
 
     def _ledger(self, alloc: Allocation, sign: float) -> None:
-        """Books the allocation per node and counts any node pushed past its devices."""
+        """Books the allocation per node and per device it names (in thousandths, apart from
+        the core's books) and counts any node or device pushed past what it has."""
         for r in alloc.replicas:
             amount = self._on_node.get(r.node_id, 0.0) + sign * r.accelerators
             self._on_node[r.node_id] = amount
             if amount > self._devices[r.node_id] + EPS:
                 self.trace.overcommit += 1
+            share = MILLI if r.accelerators >= 1 else milli(r.accelerators)
+            for d in r.devices:
+                key = (r.node_id, d)
+                used = self._on_device.get(key, 0) + (share if sign > 0 else -share)
+                self._on_device[key] = used
+                if used > MILLI or d >= self._devices[r.node_id]:
+                    self.trace.overcommit += 1

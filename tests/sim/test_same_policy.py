@@ -90,5 +90,7 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
     monkeypatch.setattr(engine, "decide", checked_decide)
     summary = summarize(sim.run(), sim.trace)
     assert summary["finished"] == len(jobs) and checked > 100
+    # No node and no device past what it has, by the simulator's own per-device ledger.
+    assert summary["overcommit"] == 0
     if name in ("las", "quotas"):
         assert summary["preemptions"] > 0
