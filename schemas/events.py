@@ -77,11 +77,13 @@ class JobRejected(Payload):
 
 
 class ReplicaAssignment(Payload):
-    replica: int
-    node_id: str
-    accelerators: float
-    cpu: float
-    memory_gb: float
+    # Never negative: a negative amount would credit the executor's books (a careless or
+    # hostile producer on the topic).
+    replica: int = Field(ge=0)
+    node_id: str = Field(max_length=253)
+    accelerators: float = Field(ge=0, le=4096)
+    cpu: float = Field(ge=0)
+    memory_gb: float = Field(ge=0)
     # The node's devices this replica takes (indices): one for a fraction, as many as it asks
     # for whole ones. Empty from a scheduler that did not name them: the executor picks.
     devices: list[int] = Field(default_factory=list, max_length=1024)

@@ -71,3 +71,12 @@ def test_a_whole_replica_naming_devices_asks_a_whole_number() -> None:
         replica(2, [0])
     with pytest.raises(ValidationError, match="distinct"):
         replica(2, [1, 1])
+
+
+def test_no_replica_can_credit_the_books_with_a_negative_amount() -> None:
+    """A placement from a careless or hostile producer asking -64 CPU would free CPU others
+    hold; the event is refused as invalid before it reaches the books."""
+    for field, value in (("cpu", -64.0), ("memory_gb", -1.0), ("accelerators", -1.0)):
+        raw = {"replica": 0, "node_id": "n", "accelerators": 1.0, "cpu": 1.0, "memory_gb": 1.0}
+        with pytest.raises(ValidationError, match="greater than or equal to 0"):
+            ReplicaAssignment.model_validate({**raw, field: value})
