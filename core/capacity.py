@@ -11,7 +11,6 @@ work charges them again as they are, so the scheduler's view of each device is t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -40,12 +39,11 @@ MILLI = 1000
 
 
 def milli(accelerators: float) -> int:
-    """Accelerators in exact units: thousandths of a device, rounded up (a request is never
-    booked below what it asked: three of 0.3334 do not share one device), with a tolerance
-    for the float's own error (0.3 is 300, not 301)."""
+    """Accelerators in exact units: thousandths of a device, to the nearest (a third is 333,
+    so three thirds share a device as asked; a fraction takes at least one)."""
     if accelerators <= 0:
         return 0
-    return max(1, math.ceil(accelerators * MILLI - 1e-6))
+    return max(1, round(accelerators * MILLI))
 
 
 @dataclass
@@ -199,8 +197,11 @@ class Capacity:
             chosen = named or self._untouched(node, round(accelerators))
             self._use_whole(node, chosen, MILLI)
         elif accelerators > 0:
-            chosen = named or (self._device_for(node, milli(accelerators)),)
-            self._use(node, chosen[0], milli(accelerators))
+            device = named[0] if named else self._device_for(node, milli(accelerators))
+            if device < 0:
+                return ()  # a node with no device left (its plugin stopped offering them)
+            chosen = (device,)
+            self._use(node, device, milli(accelerators))
         else:
             chosen = ()
         return tuple(chosen)
@@ -252,17 +253,18 @@ class Capacity:
         return devices
 
     def _use_whole(self, node: int, devices: tuple[int, ...], amount: int) -> None:
-        """Whole devices taken (`amount` MILLI) or given back (-MILLI), in one step."""
+        """Whole devices taken (`amount` MILLI) or given back (-MILLI), totals kept once."""
         if not devices:
             return
-        cols = np.array(devices, dtype=np.int64)
-        before = self.device_used[node, cols]
-        after = np.maximum(before + amount, 0)
-        self.device_used[node, cols] = after
-        self.free_whole[node] += int(((before > 0) & (after == 0)).sum()) - int(
-            ((before == 0) & (after > 0)).sum()
-        )
-        delta = int((after - before).sum())
+        row = self.device_used[node]
+        delta = untouched = 0
+        for d in devices:  # a few devices: scalar steps beat numpy's fancy indexing
+            before = int(row[d])
+            after = max(before + amount, 0)
+            row[d] = after
+            delta += after - before
+            untouched += (before > 0 and after == 0) - (before == 0 and after > 0)
+        self.free_whole[node] += untouched
         self.free_milli[node] -= delta
         self.free_total[node] = self.free_milli[node] / MILLI
         cluster = self.cluster_of[node]
@@ -291,12 +293,17 @@ class Capacity:
         return tuple(int(d) for d in np.flatnonzero(row == 0)[:count])
 
     def _device_for(self, node: int, m: int) -> int:
-        """The fullest open device `m` thousandths still fit on, else the first untouched."""
+        """The fullest open device `m` thousandths still fit on, else the first untouched, else
+        the least used (a charge the caller did not check, e.g. running work on a node that
+        shrank); -1 for a node with no devices."""
         row = self.device_used[node, : int(self.devices[node])]
+        if row.size == 0:
+            return -1
         fits = (row > 0) & (row + m <= MILLI)
         if fits.any():
             return int(np.argmax(np.where(fits, row, -1)))
-        return int(np.argmax(row == 0))
+        untouched = row == 0
+        return int(np.argmax(untouched)) if untouched.any() else int(np.argmin(row))
 
     def charge(self, allocations: Iterable[Allocation]) -> None:
         """Charges running work: replicas on the devices they name first, exactly; then any

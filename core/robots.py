@@ -55,6 +55,14 @@ class WaveSpec:
     wave_share: float = 0.3
     soak_s: float = 300.0
 
+    def __post_init__(self) -> None:
+        for name in ("canary_share", "wave_share"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 < value <= 1):
+                raise ValueError(f"{name} must be in (0, 1]")
+        if not (math.isfinite(self.soak_s) and self.soak_s >= 0):
+            raise ValueError("soak_s must be a non-negative number")
+
 
 class RolloutState(StrEnum):
     ROLLING = "rolling"
@@ -94,22 +102,33 @@ def rollout_robots(
     robots: Sequence[Robot],
     health: Sequence[Health],
     now: float,
+    *,
+    started_at: float = -math.inf,
+    reached_before: int = 0,
+    waves: Sequence[Sequence[str]] | None = None,
 ) -> RobotRollout:
-    """Which version each robot should run now (see the module docstring)."""
-    by_id = {r.robot_id: r for r in robots}
-    report = {(h.robot_id, h.version): h for h in health}
-    waves = waves_of(spec, robots)
-    pinned: dict[str, str] = {}
+    """Which version each robot should run now (see the module docstring). The caller keeps,
+    for the rollout it drives, when it started (`started_at`: health reported before it is
+    another rollout's), the waves cut when it started (`waves`: a robot selected since joins
+    the last wave) and how many waves it had reached (`reached_before`): a rollout never goes
+    back a wave except by rolling back, so a robot that returns, reboots or is added does not
+    send robots that run the new version back to the previous one."""
+    by_id: dict[str, Robot] = {}
     for r in robots:
-        if r.pinned is not None:
-            pinned[r.robot_id] = r.pinned
+        if r.robot_id in by_id:
+            raise ValueError(f"robot {r.robot_id} is listed twice")
+        by_id[r.robot_id] = r
+    report: dict[tuple[str, str], Health] = {}
+    for h in health:
+        key = (h.robot_id, h.version)
+        if h.since >= started_at and (key not in report or h.since >= report[key].since):
+            report[key] = h
+    pinned = {r.robot_id: r.pinned for r in robots if r.pinned is not None}
+    cut = _fixed_waves(spec, robots, waves)
     sick = sorted(
-        h.robot_id
-        for h in health
-        if h.version == new
-        and not h.healthy
-        and h.robot_id in by_id
-        and by_id[h.robot_id].pinned is None
+        robot_id
+        for (robot_id, version), h in report.items()
+        if version == new and not h.healthy and robot_id in by_id and robot_id not in pinned
     )
     if sick:
         detail = report[(sick[0], new)].detail
@@ -118,27 +137,48 @@ def rollout_robots(
             RolloutState.ROLLED_BACK,
             {**back, **pinned},
             0,
-            len(waves),
+            len(cut),
             f"robot {sick[0]} unhealthy on {new}{': ' + detail if detail else ''}",
         )
-    # Waves reached: the first always; the next once every robot of those reached passed and
-    # at least one of them is online (an all-offline canary proves nothing).
-    reached = 1 if waves else 0
-    while reached < len(waves) and _wave_done(waves[:reached], by_id, report, new, spec, now):
+    if not any(cut):
+        return RobotRollout(RolloutState.DONE, dict(pinned), 0, 0, "no robot takes part")
+    # Waves reached: at least as many as before; the next once every robot of those reached
+    # passed and at least one of them is online (an all-offline canary proves nothing).
+    reached = min(max(reached_before, 1), len(cut))
+    while reached < len(cut) and _wave_done(cut[:reached], by_id, report, new, spec, now):
         reached += 1
     desired: dict[str, str] = {}
-    for k, wave in enumerate(waves):
+    for k, wave in enumerate(cut):
         for robot_id in wave:
             desired[robot_id] = new if k < reached else previous
-    done = reached == len(waves) and _wave_done(waves, by_id, report, new, spec, now)
+    done = reached == len(cut) and _wave_done(cut, by_id, report, new, spec, now)
     state = RolloutState.DONE if done else RolloutState.ROLLING
     reason = (
         f"every online robot runs {new}, healthy for {spec.soak_s:g} s"
         if done
-        else f"wave {reached} of {len(waves)}: waiting for its online robots to run {new} "
+        else f"wave {reached} of {len(cut)}: waiting for its online robots to run {new} "
         f"healthy for {spec.soak_s:g} s"
     )
-    return RobotRollout(state, {**desired, **pinned}, reached, len(waves), reason)
+    return RobotRollout(state, {**desired, **pinned}, reached, len(cut), reason)
+
+
+def _fixed_waves(
+    spec: WaveSpec, robots: Sequence[Robot], waves: Sequence[Sequence[str]] | None
+) -> list[list[str]]:
+    """The waves as cut when the rollout started, kept to the robots still selected and not
+    pinned; robots selected since join the last wave. Without a cut, one is made now."""
+    if waves is None:
+        return waves_of(spec, robots)
+    taking = {r.robot_id for r in robots if r.pinned is None}
+    kept = [[i for i in w if i in taking] for w in waves]
+    seen = {i for w in kept for i in w}
+    late = sorted(taking - seen)
+    if late:
+        if kept:
+            kept[-1].extend(late)
+        else:
+            kept.append(late)
+    return kept  # a wave left empty keeps its place: `reached_before` counts positions
 
 
 def _wave_done(

@@ -198,17 +198,31 @@ def test_named_devices_a_node_does_not_have_are_never_indexed() -> None:
     assert (cap.device_used[0, 2:] == MILLI).all()
 
 
-def test_a_share_is_never_booked_below_what_it_asks() -> None:
-    """Thousandths round up: three replicas of 0.3334 (1.0002 in all) never share a device,
-    in the scheduler's books or the executor's."""
-    assert milli(0.3334) == 334 and milli(0.1 + 0.2) == 300 and milli(0.0004) == 1
+def test_shares_are_counted_to_the_nearest_thousandth_and_thirds_share_a_device() -> None:
+    """Thousandths to the nearest: three thirds (333 each) share one device, as three
+    replicas of 1/3 always have, in the scheduler's books and the executor's; sixteen
+    sixteenths too; a fourth third does not fit."""
+    assert milli(1 / 3) == 333 and milli(0.1 + 0.2) == 300 and milli(0.0004) == 1
+    assert milli(1 / 16) == 62
     nodes = fleet([1])
     cap = Capacity.build(nodes, {}, {})
-    assert int(cap.slots(np.array([0]), 0.3334, 0.0, 0.0)[0]) == 2
+    assert int(cap.slots(np.array([0]), 1 / 3, 0.0, 0.0)[0]) == 3
+    assert int(cap.slots(np.array([0]), 1 / 16, 0.0, 0.0)[0]) == 16
     book = NodeBook({str(k): v for k, v in nodes.items()})
-    for i in range(2):
-        one = [ReplicaAssignment(replica=0, node_id="n0", accelerators=0.3334, cpu=0, memory_gb=0)]
+    for i in range(3):
+        one = [ReplicaAssignment(replica=0, node_id="n0", accelerators=1 / 3, cpu=0, memory_gb=0)]
         assert book.check(one) is None
         book.allocate(f"j{i}", one)
-    third = [ReplicaAssignment(replica=0, node_id="n0", accelerators=0.3334, cpu=0, memory_gb=0)]
-    assert book.check(third) is not None
+    fourth = [ReplicaAssignment(replica=0, node_id="n0", accelerators=1 / 3, cpu=0, memory_gb=0)]
+    assert book.check(fourth) is not None
+
+
+def test_running_work_on_a_node_left_with_no_devices_charges_none_and_raises_nothing() -> None:
+    """A 1-GPU node whose device plugin now offers none still runs a 0.5 replica: a rebuild
+    charges its CPU and memory, no device, every cycle, without raising."""
+    nodes = fleet([0, 2])
+    cap = Capacity.build(nodes, {}, {})
+    assert cap.take(0, 0.5, 1.0, 1.0, (0,)) == ()
+    assert cap.take(0, 0.5, 1.0, 1.0) == ()
+    assert cap.take(0, 1.0, 1.0, 1.0) == ()
+    assert int(cap.free_milli[0]) == 0 and float(cap.free_cpu[0]) == 61.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -112,12 +113,28 @@ def test_every_robot_has_one_version_and_waves_open_only_on_healthy_online_evide
     robots = fleet(n, pinned={0} if n > 3 else set())
     waves = waves_of(SPEC, robots)
     health: dict[str, Health] = {}
-    now = 0.0
+    now, reached = 0.0, 0
+    told_new: set[str] = set()
     for _ in range(30):
         robots = [
             Robot(r.robot_id, r.site, rng.random() >= flappy, r.running, r.pinned) for r in robots
         ]
-        step = rollout_robots(SPEC, "v2", "v1", robots, list(health.values()), now)
+        step = rollout_robots(
+            SPEC,
+            "v2",
+            "v1",
+            robots,
+            list(health.values()),
+            now,
+            waves=waves,
+            reached_before=reached,
+        )
+        opened_now = step.wave > max(reached, 1)
+        if step.state is not RolloutState.ROLLED_BACK:
+            # Never backwards: a robot once told the new version is not told the old one.
+            now_new = {k for k, v in step.desired.items() if v == "v2"}
+            assert told_new <= now_new
+            told_new, reached = now_new, step.wave
         assert set(step.desired) == {r.robot_id for r in robots}
         for r in robots:
             assert step.desired[r.robot_id] == (r.pinned or step.desired[r.robot_id])
@@ -128,7 +145,9 @@ def test_every_robot_has_one_version_and_waves_open_only_on_healthy_online_evide
             assert bad is not None
             assert all(v == "v1" for k, v in step.desired.items() if k != "r000" or n <= 3)
             return
-        for k in range(1, step.wave):
+        # A wave opened at this step only on evidence: every online robot of the waves before
+        # it runs the new version, healthy (a robot back later catches up without blocking).
+        for k in range(1, step.wave if opened_now else 1):
             for robot_id in [i for w in waves[:k] for i in w]:
                 robot = next(r for r in robots if r.robot_id == robot_id)
                 if robot.online:
@@ -140,3 +159,45 @@ def test_every_robot_has_one_version_and_waves_open_only_on_healthy_online_evide
                 sick = bad is not None and r.robot_id == f"r{bad:03d}" and r.pinned is None
                 health[r.robot_id] = Health(r.robot_id, "v2", not sick, now)
         now += 60
+
+
+def test_a_robot_back_or_added_after_the_rollout_sends_no_one_back() -> None:
+    """Done with r005 offline; it returns still on v1, and a new robot joins the selection:
+    the waves reached stay reached, both are told v2, nobody is told v1."""
+    robots = converge(fleet(20, offline={5}), {f"r{i:03d}": "v2" for i in range(20) if i != 5})
+    cut = waves_of(SPEC, robots)
+    health = healthy(robots, "v2", 0)
+    step = rollout_robots(SPEC, "v2", "v1", robots, health, 100, waves=cut, reached_before=4)
+    assert step.state is RolloutState.DONE
+    back = [
+        *robots[:5],
+        Robot("r005", "lab-b", True, "v1"),
+        *robots[6:],
+        Robot("a000", "lab-a", True, "v1"),
+    ]
+    again = rollout_robots(SPEC, "v2", "v1", back, health, 130, waves=cut, reached_before=step.wave)
+    assert set(again.desired.values()) == {"v2"} and again.wave == step.wave
+
+
+def test_health_from_before_the_rollout_neither_passes_nor_fails_it() -> None:
+    robots = converge(fleet(10), {"r001": "v2"})
+    old_pass = [Health("r001", "v2", True, 0)]
+    step = rollout_robots(SPEC, "v2", "v1", robots, old_pass, now=1000, started_at=990)
+    assert step.wave == 1  # yesterday's soak does not count
+    old_fail = [Health("r001", "v2", False, 0, "crashed")]
+    step = rollout_robots(SPEC, "v2", "v1", robots, old_fail, now=1000, started_at=990)
+    assert step.state is RolloutState.ROLLING
+    # The newest verdict of a robot is the one that counts.
+    recovered = [Health("r001", "v2", False, 995), Health("r001", "v2", True, 996)]
+    step = rollout_robots(SPEC, "v2", "v1", robots, recovered, now=1000, started_at=990)
+    assert step.state is RolloutState.ROLLING
+
+
+def test_bad_input_is_refused_and_an_empty_selection_is_done() -> None:
+    with pytest.raises(ValueError):
+        rollout_robots(SPEC, "v2", "v1", [*fleet(2), fleet(1)[0]], [], 0)
+    with pytest.raises(ValueError):
+        WaveSpec(canary_share=float("nan"))
+    pinned = fleet(2, pinned={0, 1})
+    step = rollout_robots(SPEC, "v2", "v1", pinned, [], 0)
+    assert step.state is RolloutState.DONE and step.desired == {"r000": "v0", "r001": "v0"}

@@ -52,6 +52,10 @@ def test_a_snapshot_restores_every_field(steps: list[tuple[Any, ...]], lose: lis
     twin.state = back
     twin.cycle.state = back
     twin.now = world.now
+    # The fair-share usage the leader accrues is its cycle's own, not the state's (a new
+    # leader starts it afresh): given the same, the restored state decides the same.
+    twin.cycle.usage = dict(world.cycle.usage)
+    twin.cycle.last_accrual = world.cycle.last_accrual
     mine = world.cycle.decide(epoch=2, now=world.now + 1)
     theirs = twin.cycle.decide(epoch=2, now=world.now + 1)
     assert [e for _, e in mine.placements] == [e for _, e in theirs.placements]
