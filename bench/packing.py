@@ -10,6 +10,7 @@ Prints a table per mix, then one JSON line (keys in the shared BENCH.md)."""
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import platform
@@ -49,6 +50,10 @@ TYPES = {
 FLEET = {"H100": 120, "A100": 160, "L4": 160, "T4": 160}
 PRICES = {"H100": 4.0, "A100": 2.0, "L4": 0.7, "T4": 0.35}
 SEEDS = (1, 2, 3)
+# The steady state: offered load, warm-up and horizon in mean holding times.
+STEADY_LOAD = 1.2
+STEADY_WARMUP = 2.0
+STEADY_HORIZON = 8.0
 
 # Request mixes: (share of fractional requests, whole sizes with weights, share restricted to
 # one type). Fractions follow published GPU-sharing traces: mostly quarters and halves, the
@@ -155,28 +160,43 @@ def random_fit(seed: int) -> Chooser:
     return choose
 
 
-def run(nodes: dict[NodeId, Node], jobs: list[JobRequest], policy: str, seed: int) -> dict:
+Placed = tuple[int, tuple[int, ...]]
+
+
+def placer(policy: str, seed: int) -> Callable[[Capacity, JobRequest], Placed | None]:
+    """Places one request on `cap` by `policy`: (node, devices taken), or None if refused."""
     pol = Policy.default()
-    cap = Capacity.build(nodes, {}, {(t, PriceTier.ON_DEMAND): p for t, p in PRICES.items()})
     chooser = random_fit(seed) if policy == "random-fit" else best_fit
+
+    def place(cap: Capacity, job: JobRequest) -> Placed | None:
+        if policy == "default":
+            plan = find_placement(cap, job, pol.placement, 1.0, precise=False)
+            if not isinstance(plan, Plan):
+                return None
+            (replica,) = commit(cap, job, plan, 0.0).replicas
+            return cap.index[replica.node_id], replica.devices
+        node = chooser(cap, job)
+        if node is None:
+            return None
+        return node, cap.take(node, job.accelerators, 0.0, 0.0)
+
+    return place
+
+
+def new_capacity(nodes: dict[NodeId, Node]) -> Capacity:
+    return Capacity.build(nodes, {}, {(t, PriceTier.ON_DEMAND): p for t, p in PRICES.items()})
+
+
+def run(nodes: dict[NodeId, Node], jobs: list[JobRequest], policy: str, seed: int) -> dict:
+    cap = new_capacity(nodes)
+    place = placer(policy, seed)
     placed = refused = 0
     placed_gpus = 0.0
     started = time.perf_counter()
     for job in jobs:
-        if policy == "default":
-            plan = find_placement(cap, job, pol.placement, 1.0, precise=False)
-            if isinstance(plan, Plan):
-                commit(cap, job, plan, 0.0)
-                placed += 1
-                placed_gpus += job.accelerators
-            else:
-                refused += 1
-            continue
-        node = chooser(cap, job)
-        if node is None:
+        if place(cap, job) is None:
             refused += 1
             continue
-        cap.take(node, job.accelerators, 0.0, 0.0)
         placed += 1
         placed_gpus += job.accelerators
     elapsed = time.perf_counter() - started
@@ -188,6 +208,51 @@ def run(nodes: dict[NodeId, Node], jobs: list[JobRequest], policy: str, seed: in
         "placed_gpus": placed_gpus,
         "refused": refused,
         "ms_per_decision": 1000 * elapsed / max(len(jobs), 1),
+        "device_overcommit": int((cap.device_used > MILLI).sum()),
+    }
+
+
+def steady(nodes: dict[NodeId, Node], mix: str, policy: str, seed: int) -> dict:
+    """A steady state: requests of the mix arrive (Poisson) at an offered load of
+    `STEADY_LOAD` x capacity and each holds its devices for an exponential time (mean 1); a
+    request that fits nowhere is turned away. The unallocated GPUs are averaged over time after
+    a warm-up, when the fleet is saturated and what stays free is what placement stranded."""
+    capacity = float(sum(n.accelerators for n in nodes.values()))
+    rng = random.Random(seed * 7919)
+    shapes = stream(mix, capacity * STEADY_HORIZON * STEADY_LOAD, seed)
+    mean = sum(j.accelerators for j in shapes) / len(shapes)
+    rate = STEADY_LOAD * capacity / mean
+    cap = new_capacity(nodes)
+    place = placer(policy, seed)
+    leaving: list[tuple[float, int, int, float, tuple[int, ...]]] = []
+    now = area = refused_gpus = offered_gpus = 0.0
+    for k, job in enumerate(shapes):
+        arrive = now + rng.expovariate(rate)
+        while leaving and leaving[0][0] <= arrive:
+            at, _, node, accelerators, devices = heapq.heappop(leaving)
+            if at >= STEADY_WARMUP:
+                area += int(cap.free_milli.sum()) / MILLI * (at - max(now, STEADY_WARMUP))
+            now = at
+            cap.give(node, accelerators, 0.0, 0.0, devices)
+        if arrive >= STEADY_WARMUP:
+            area += int(cap.free_milli.sum()) / MILLI * (arrive - max(now, STEADY_WARMUP))
+        now = arrive
+        if now > STEADY_HORIZON:
+            break
+        placed = place(cap, job)
+        if now >= STEADY_WARMUP:
+            offered_gpus += job.accelerators
+        if placed is None:
+            if now >= STEADY_WARMUP:
+                refused_gpus += job.accelerators
+            continue
+        heapq.heappush(
+            leaving, (now + rng.expovariate(1.0), k, placed[0], job.accelerators, placed[1])
+        )
+    span = max(now - STEADY_WARMUP, 1e-9)
+    return {
+        "unallocated_gpus": area / span,
+        "refused_share": refused_gpus / max(offered_gpus, 1e-9),
         "device_overcommit": int((cap.device_used > MILLI).sum()),
     }
 
@@ -226,6 +291,26 @@ def main() -> None:
         ratio = summary[mix]["default"] / max(summary[mix]["best-fit"], 1e-9)
         ratios[mix] = round(ratio, 3)
         print(f"  default / best-fit: {ratio:.3f}")
+    steady_summary: dict[str, dict[str, float]] = {}
+    steady_ratios: dict[str, float] = {}
+    print(
+        f"\nsteady state: offered load {STEADY_LOAD:g} x capacity, exponential holding times, "
+        f"time-averaged after a warm-up; median of {len(SEEDS)} seeds"
+    )
+    for mix in MIXES:
+        print(f"\nmix {mix} (steady)")
+        print(f"  {'policy':<12}{'unallocated GPUs':>18}{'share':>8}{'refused demand':>16}")
+        steady_summary[mix] = {}
+        for p in policies:
+            runs = [steady(nodes, mix, p, seed) for seed in SEEDS]
+            unallocated = float(np.median([r["unallocated_gpus"] for r in runs]))
+            refused = float(np.median([r["refused_share"] for r in runs]))
+            overcommit += sum(r["device_overcommit"] for r in runs)
+            steady_summary[mix][p] = round(unallocated, 2)
+            print(f"  {p:<12}{unallocated:>18.2f}{unallocated / capacity:>8.1%}{refused:>16.1%}")
+        ratio = steady_summary[mix]["default"] / max(steady_summary[mix]["best-fit"], 1e-9)
+        steady_ratios[mix] = round(ratio, 3)
+        print(f"  default / best-fit: {ratio:.3f}")
     worst = max(ratios.values())
     print(f"\nworst mix ratio default / best-fit: {worst:.3f}; device over-commit: {overcommit}")
     print(
@@ -235,6 +320,8 @@ def main() -> None:
                 "unallocated_gpus": summary,
                 "unallocated_ratio_vs_bestfit": worst,
                 "ratio_by_mix": ratios,
+                "steady_unallocated_gpus": steady_summary,
+                "steady_ratio_by_mix": steady_ratios,
                 "device_overcommit": overcommit,
                 "setup": {
                     "cores": os.cpu_count(),
@@ -242,6 +329,11 @@ def main() -> None:
                     "gpus": capacity,
                     "fleet": FLEET,
                     "seeds": list(SEEDS),
+                    "steady": {
+                        "load": STEADY_LOAD,
+                        "warmup": STEADY_WARMUP,
+                        "horizon": STEADY_HORIZON,
+                    },
                     "python": platform.python_version(),
                     "numpy": np.__version__,
                 },

@@ -4,6 +4,8 @@ reports as unallocated exactly what its books leave free."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.packing import MIXES, fleet, run, stream
 
 
@@ -32,3 +34,19 @@ def test_every_policy_books_devices_exactly() -> None:
         # What was placed is what the books hold: the rest of the fleet is unallocated.
         assert abs(capacity - result["unallocated_gpus"] - result["placed_gpus"]) < 1e-6
         assert result["placed_gpus"] <= offered
+
+
+def test_the_steady_state_releases_what_it_placed_and_never_over_commits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import bench.packing as packing
+
+    monkeypatch.setattr(packing, "STEADY_HORIZON", 3.0)
+    nodes = fleet()
+    capacity = float(sum(n.accelerators for n in nodes.values()))
+    for policy in ("default", "best-fit"):
+        result = packing.steady(nodes, "multi-gpu", policy, seed=2)
+        assert result["device_overcommit"] == 0
+        assert 0 <= result["unallocated_gpus"] <= capacity
+        # Offered 1.2 x capacity: some demand is turned away, most is not.
+        assert 0 < result["refused_share"] < 0.5
