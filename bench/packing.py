@@ -28,17 +28,14 @@ from core.capacity import MILLI, Capacity
 from core.model import (
     AcceleratorModel,
     ClusterId,
-    JobId,
     JobRequest,
     Node,
     NodeId,
     PriceTier,
-    TenantId,
-    TopologyLevel,
-    WorkloadKind,
 )
 from core.placement import Plan, commit, find_placement
 from core.policy import Policy
+from sim.workload import _request
 
 TYPES = {
     "H100": (AcceleratorModel("H100", "hopper", 80, 3.0), 8),
@@ -110,27 +107,8 @@ def stream(mix: str, capacity: float, seed: int) -> list[JobRequest]:
         )
         fits = [t for t, (_, per) in TYPES.items() if per >= accelerators]
         types = (rng.choice(fits),) if rng.random() < restricted else ()
-        jobs.append(
-            JobRequest(
-                job_id=JobId(f"r{len(jobs):06d}"),
-                tenant=TenantId("t"),
-                project="p",
-                user="u",
-                queue="q",
-                priority_class="normal",
-                kind=WorkloadKind.BATCH_INFERENCE,
-                replicas=1,
-                accelerators=accelerators,
-                accelerator_types=types,
-                accelerator_memory_gb=None,
-                cpu=0.0,
-                memory_gb=0.0,
-                topology=TopologyLevel.NODE,
-                topology_required=False,
-                preemptible=True,
-                submit_time=float(len(jobs)),
-            )
-        )
+        # One replica on one node: the workload kind and topology level do not matter here.
+        jobs.append(_request(f"r{len(jobs):06d}", float(len(jobs)), "t", 1, accelerators, types))
         demand += accelerators
     return jobs
 

@@ -101,11 +101,13 @@ class ReplicaAssignment(Payload):
                 f"a replica of {self.accelerators:g} accelerators names devices: whole "
                 "devices come in whole numbers"
             )
+        if self.accelerators <= 0:
+            raise ValueError("a replica without accelerators names no devices")
         wanted = round(self.accelerators) if self.accelerators >= 1 else 1
-        if self.accelerators <= 0 or len(self.devices) != wanted:
+        if len(self.devices) != wanted:
             raise ValueError(
                 f"a replica of {self.accelerators:g} accelerators names {len(self.devices)} "
-                f"devices; it takes {wanted if self.accelerators > 0 else 0}"
+                f"devices; it takes {wanted}"
             )
         return self
 

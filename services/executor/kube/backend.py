@@ -185,14 +185,14 @@ class KubeBackend:
         together. Each object may exist already (a retry, a redelivery): 409 is fine."""
         options = self.options.pods
         gang = self.gangs.setdefault((p.job_id, p.attempt), Gang(len(p.replicas)))
-        await _created(
+        await created(
             self.core.create_namespaced_service(self.namespace, build_service(p, options))
         )
         if options.gang_disruption_budget:
             await self._protect(p)
         for r in sorted(p.replicas, key=lambda r: r.replica):
             pod = build_pod(p, r, self.hostnames(r.node_id), options, self.pinned(r.node_id))
-            await _created(self.core.create_namespaced_pod(self.namespace, pod))
+            await created(self.core.create_namespaced_pod(self.namespace, pod))
         versions = [
             await self._ungate(GangNames(p.job_id, p.attempt).pod(r.replica)) for r in p.replicas
         ]
@@ -207,7 +207,7 @@ class KubeBackend:
         whose role does not grant it (403) or that refuses it runs the gang without one."""
         budget = build_disruption_budget(p, self.options.pods)
         try:
-            await _created(
+            await created(
                 self.policy.create_namespaced_pod_disruption_budget(self.namespace, budget)
             )
         except ApiException as error:
@@ -330,9 +330,11 @@ def _reason(error: ApiException) -> str:
         return str(error.reason)
 
 
-async def _created(call: Awaitable[Any]) -> None:
+async def created(call: Awaitable[Any]) -> Any:
+    """What a create answered; None if the object was there already (409: an earlier try)."""
     try:
-        await call
+        return await call
     except ApiException as error:
-        if error.status != 409:  # already there: created by an earlier try
+        if error.status != 409:
             raise
+        return None

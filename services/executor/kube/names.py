@@ -73,7 +73,8 @@ class GangNames:
 
 
 def gang_selector(cluster: str, job_id: str | None = None, attempt: int | None = None) -> str:
-    """A label selector for the pods this executor manages (of one job, of one attempt)."""
+    """A label selector for the objects this executor manages (pods, and its pools' requests
+    and templates), or for the pods of one job, of one attempt."""
     terms = [f"{MANAGED_BY}={MANAGER}", f"{CLUSTER}={label_value(cluster)}"]
     if job_id is not None:
         terms.append(f"{JOB}={label_value(job_id)}")

@@ -39,6 +39,7 @@ from schemas.events import AutoscaleDecided
 from services.common.kafka import OutMessage
 from services.executor.elastic import ElasticPools
 from services.executor.kube import names
+from services.executor.kube.backend import created
 from services.executor.nodes import NodeBook
 from services.executor.pools import Member, PoolBook
 from services.executor.store import ExecutorStore
@@ -393,7 +394,7 @@ class KubePools(ElasticPools):
             VERSION,
             o.namespace,
             PLURAL,
-            label_selector=self._ours(),
+            label_selector=names.gang_selector(self.options.cluster),
             **self._api(),
         )
         self.requests = [
@@ -410,12 +411,6 @@ class KubePools(ElasticPools):
             for obj in nodes.get("items") or []
             if (m := parse_machine(obj, o.pool_label)) is not None and m.pool in self.book.pools
         }
-
-    def _ours(self) -> str:
-        return (
-            f"{names.MANAGED_BY}={names.MANAGER},"
-            f"{names.CLUSTER}={names.label_value(self.options.cluster)}"
-        )
 
     async def _converge(self) -> None:
         now = self.clock()
@@ -542,16 +537,16 @@ class KubePools(ElasticPools):
                 "podSets": [{"podTemplateRef": {"name": name}, "count": count}],
             },
         }
-        await _created(
+        await created(
             self.core.create_namespaced_pod_template(o.namespace, template, **self._api())
         )
-        created = await _created(
+        answer = await created(
             self.custom.create_namespaced_custom_object(
                 GROUP, VERSION, o.namespace, PLURAL, request, **self._api()
             )
         )
         log.info("pool nodes requested", pool=pool.name, request=name, count=count)
-        made = parse_request(created) if created is not None else None
+        made = parse_request(answer) if answer is not None else None
         if made is not None:
             self.requests.append(made)
         return made
@@ -575,7 +570,10 @@ class KubePools(ElasticPools):
         """Templates left without their request (a crash between the two creates or deletes)."""
         o = self.options
         listed = await self.core.list_namespaced_pod_template(
-            o.namespace, label_selector=self._ours(), _preload_content=False, **self._api()
+            o.namespace,
+            label_selector=names.gang_selector(self.options.cluster),
+            _preload_content=False,
+            **self._api(),
         )
         open_names = {r.name for r in self.requests}
         cutoff = self.clock()
@@ -614,12 +612,3 @@ def request_name(cluster: str, pool: str, seq: int) -> str:
     """A DNS-1123 name per (cluster, pool, number): `qm-<pool>-<hash>-<number>`."""
     piece = names.slug(pool, 30) or "pool"
     return f"qm-{piece}-{names.digest(cluster + '/' + pool, 6)}-{seq:05d}"
-
-
-async def _created(call: Awaitable[Any]) -> Any:
-    try:
-        return await call
-    except ApiException as error:
-        if error.status != 409:  # made by an earlier try
-            raise
-        return None

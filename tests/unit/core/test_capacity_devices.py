@@ -17,18 +17,15 @@ from core.model import (
     AcceleratorModel,
     Allocation,
     ClusterId,
-    JobId,
     JobRequest,
     Node,
     NodeId,
     PriceTier,
     ReplicaPlacement,
-    TenantId,
-    TopologyLevel,
-    WorkloadKind,
 )
 from schemas.events import ReplicaAssignment
 from services.executor.nodes import NodeBook
+from sim.workload import _request
 
 T4 = AcceleratorModel("T4", "turing", 16, 0.3)
 
@@ -52,25 +49,7 @@ def fleet(devices: list[int]) -> dict[NodeId, Node]:
 
 
 def request(job_id: str, accelerators: float) -> JobRequest:
-    return JobRequest(
-        job_id=JobId(job_id),
-        tenant=TenantId("t"),
-        project="p",
-        user="u",
-        queue="q",
-        priority_class="normal",
-        kind=WorkloadKind.BATCH_INFERENCE,
-        replicas=1,
-        accelerators=accelerators,
-        accelerator_types=(),
-        accelerator_memory_gb=None,
-        cpu=0.0,
-        memory_gb=0.0,
-        topology=TopologyLevel.NODE,
-        topology_required=False,
-        preemptible=True,
-        submit_time=0.0,
-    )
+    return _request(job_id, 0.0, "t", 1, accelerators)
 
 
 def ledger_slots(free: list[int], accelerators: float) -> int:
