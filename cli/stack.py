@@ -118,7 +118,7 @@ def service_plan(logs: Path, gateway_port: int, clusters: list[str]) -> list[Ser
     plan = [Service("gateway", "services.gateway", gateway_port, logs / "gateway.log")]
     plan += [
         Service(n, f"services.{n}", free_port(), logs / f"{n}.log")
-        for n in ("queue", "scheduler", "preemptor", "health", "meter", "autoscaler")
+        for n in ("queue", "scheduler", "preemptor", "health", "meter", "autoscaler", "serving")
     ]
     standby = "scheduler-standby"
     plan.append(Service(standby, "services.scheduler", free_port(), logs / f"{standby}.log"))

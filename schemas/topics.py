@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from schemas import events, health, usage
+from schemas import events, health, serving, usage
 from schemas.job import JobSpec
 
 DAY_MS = 86_400_000
@@ -60,6 +60,10 @@ USAGE_TICK = "usage.tick"
 BUDGET_EXCEEDED = "budget.exceeded"
 ALERT_RAISED = "alert.raised"
 SCHEDULING_EXPLAINED = "scheduling.explained"
+SERVICE_DECLARED = "service.declared"
+SERVICE_COMMAND = "service.command"
+SERVICE_LOAD = "service.load"
+SERVICE_STATUS = "service.status"
 DEAD_LETTER = "dead.letter"
 
 _JOB = "job_id"
@@ -284,6 +288,39 @@ TOPICS: tuple[Topic, ...] = (
         "PendingExplained",
         events.PendingExplained,
         "Why a job is still pending, in codes and a sentence; sent when it changes.",
+    ),
+    Topic(
+        SERVICE_DECLARED,
+        "service",
+        1,
+        "ServiceDeclared",
+        serving.ServiceDeclared,
+        "An inference service's desired state (model version, replicas, targets, rollout).",
+    ),
+    Topic(
+        SERVICE_COMMAND,
+        "service",
+        1,
+        "ServiceCommand",
+        serving.ServiceCommand,
+        "Command: scale, pause, resume, undo or delete an inference service.",
+    ),
+    Topic(
+        SERVICE_LOAD,
+        "service",
+        2,
+        "ReplicaReported",
+        serving.ReplicaReported,
+        "A service replica is ready (and where), and the load and latency it served.",
+        retention_ms=1 * DAY_MS,
+    ),
+    Topic(
+        SERVICE_STATUS,
+        "service",
+        1,
+        "ServiceStatus",
+        serving.ServiceStatus,
+        "A service's replicas, rollout and endpoints after each change, with the reason.",
     ),
     Topic(
         DEAD_LETTER,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from datetime import UTC, datetime
 
 from fastapi import FastAPI
 
@@ -42,7 +43,7 @@ from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.pools import PoolBook
 from services.executor.random_faults import RandomFaults
-from services.executor.runs import progress
+from services.executor.runs import progress, readiness
 from services.executor.settings import ExecutorSettings, with_fleet_backend
 from services.executor.store import MIGRATIONS, ExecutorStore, schema_for
 
@@ -191,6 +192,16 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
                 )
                 for job in jobs
                 if (report := progress(job, cluster_name, factors, rng)) is not None
+            ]
+            now = datetime.now(UTC)
+            out += [
+                OutMessage(
+                    topics.SERVICE_LOAD,
+                    ready.service,
+                    envelope_for("ReplicaReported", ready, producer=producer, tenant=job.tenant),
+                )
+                for job in jobs
+                if (ready := readiness(job, cluster_name, now)) is not None
             ]
             await publish_all(broker, out)
 

@@ -6,6 +6,7 @@ which the executor judges like any other input (`Executor.report`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -13,7 +14,8 @@ from enum import StrEnum
 from typing import Protocol
 
 from schemas.events import PlacementDecided
-from services.executor.simulated import RunEnd, simulate
+from schemas.serving import SERVICE_LABEL
+from services.executor.simulated import RunEnd, ready_after_s, simulate
 from services.executor.store import RunKey, RunningJob
 
 
@@ -107,10 +109,18 @@ class SimulatedBackend:
 
     def begin(self, p: PlacementDecided, now: datetime) -> RunningJob:
         run = simulate(p.spec, self.default_duration_s, p.attempt, p.replicas)
+        lasts = (
+            NEVER
+            if math.isinf(run.virtual_s)
+            else timedelta(seconds=run.virtual_s / self.time_scale)
+        )
+        ready = ready_after_s(p.spec)
         return replace(
             open_run(p, now),
             started=True,
-            ends_at=now + timedelta(seconds=run.virtual_s / self.time_scale),
+            ends_at=now + lasts,
+            service=p.spec.labels.get(SERVICE_LABEL) if ready is not None else None,
+            ready_at=None if ready is None else now + timedelta(seconds=ready / self.time_scale),
             end=run.end,
             reason_code=run.reason_code,
             message=run.message,

@@ -19,6 +19,7 @@ from schemas.events import (
     ReplicaProgress,
     RunFailed,
 )
+from schemas.serving import ReplicaReported
 from services.executor.backend import ReportKind, RunReport
 from services.executor.simulated import RunEnd, kept_work_s, step_times
 from services.executor.store import RunningJob
@@ -115,6 +116,23 @@ def progress(
             ReplicaProgress(replica=r.replica, node_id=r.node_id, step_time_s=t)
             for r, t in zip(replicas, times, strict=True)
         ],
+    )
+
+
+SERVICE_PORT = 8000  # where a simulated replica answers on its node
+
+
+def readiness(job: RunningJob, cluster: str, now: datetime) -> ReplicaReported | None:
+    """A service replica that has loaded its model says it is ready, and where (the simulated
+    fleet plays the replica's readiness probe); None for other runs and before it is ready."""
+    if job.service is None or job.ready_at is None or job.ready_at > now or not job.replicas:
+        return None
+    node = job.replicas[0].node_id
+    return ReplicaReported(
+        service=job.service,
+        replica=job.job_id,
+        ready=True,
+        address=f"{node}.{cluster}:{SERVICE_PORT}",
     )
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from schemas.events import ReplicaAssignment
-from schemas.job import JobSpec
+from schemas.job import JobSpec, WorkloadKind
+from schemas.serving import SERVICE_LABEL
 
 DURATION_LABEL = "sim_duration_s"
 OUTCOME_LABEL = "sim_outcome"
@@ -20,9 +21,11 @@ MEMORY_LABEL = "sim_memory_gb"
 STEP_LABEL = "sim_step_s"
 CHECKPOINT_LABEL = "sim_checkpoint_s"
 CHECKPOINT_EVERY_LABEL = "sim_checkpoint_every_s"
+READY_LABEL = "sim_ready_after_s"
 
 DEFAULT_STEP_S = 1.0
 DEFAULT_CHECKPOINT_S = 10.0
+DEFAULT_READY_S = 30.0  # a service replica loads its model this long before it serves
 OOM_AT = 0.1  # an under-sized replica is killed this far into its run
 STEP_NOISE = 0.02  # step times wander this much (relative) around their mean
 
@@ -106,6 +109,8 @@ def simulate(
     """What this attempt of the job will do on these replicas."""
     labels = spec.labels
     duration = _number(labels, DURATION_LABEL, None)
+    if duration is None and spec.kind is WorkloadKind.INFERENCE_SERVICE:
+        duration = math.inf  # a service runs until it is stopped
     duration = max(default_duration_s if duration is None else duration, 0.0)
     run = _failure(spec, attempt, replicas, duration) or SimulatedRun(
         duration, RunEnd.SUCCEEDED, None, f"completed after {duration:g} s"
@@ -128,6 +133,13 @@ def simulate(
         checkpoint_s=_number(labels, CHECKPOINT_LABEL, DEFAULT_CHECKPOINT_S) or 0.0,
         checkpoint_every_s=every or None,  # 0 means never, like no label
     )
+
+
+def ready_after_s(spec: JobSpec) -> float | None:
+    """Fleet seconds from its start until a service replica serves; None for other work."""
+    if spec.kind is not WorkloadKind.INFERENCE_SERVICE or not spec.labels.get(SERVICE_LABEL):
+        return None
+    return _number(spec.labels, READY_LABEL, DEFAULT_READY_S)
 
 
 def kept_work_s(

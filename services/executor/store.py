@@ -55,6 +55,10 @@ class RunningJob:
     # job.started announced (a simulated run starts with its placement; a Kubernetes run when
     # every pod of the gang runs).
     started: bool = True
+    # The inference service this run is a replica of (its `qm_service` label), and when it
+    # serves (the simulated fleet reports it ready then).
+    service: str | None = None
+    ready_at: datetime | None = None
 
     @property
     def key(self) -> RunKey:
@@ -68,7 +72,7 @@ class RunningJob:
 _COLUMNS = (
     "job_id, attempt, epoch, replicas, tenant, started_at, ends_at, outcome, reason_code, "
     "message, exit_code, step_s, checkpoint_s, checkpoint_every_s, checkpoint_at, "
-    "checkpoint_done_at, checkpoint_stop_at, started"
+    "checkpoint_done_at, checkpoint_stop_at, started, service, ready_at"
 )
 
 # A new attempt of a job takes over its row whole.
@@ -96,6 +100,8 @@ def _row(j: RunningJob) -> tuple[object, ...]:
         c.done_at if c else None,
         c.stop_at if c else None,
         j.started,
+        j.service,
+        j.ready_at,
     )
 
 
@@ -122,6 +128,8 @@ def _job(r: asyncpg.Record) -> RunningJob:
         checkpoint_every_s=r["checkpoint_every_s"],
         checkpoint=checkpoint,
         started=r["started"],
+        service=r["service"],
+        ready_at=r["ready_at"],
     )
 
 
@@ -170,7 +178,7 @@ class ExecutorStore:
         if rows:
             await conn.executemany(
                 f'INSERT INTO "{s}".allocations ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, '
-                "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) "
+                "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20) "
                 f"ON CONFLICT (job_id) DO UPDATE SET {_REPLACE}",
                 rows,
             )

@@ -11,7 +11,7 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import explain, pools, problems, routes, store, usage
+from services.gateway import explain, pools, problems, routes, serving, store, usage
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
 from services.gateway.explain import record_explanations
@@ -37,6 +37,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(explain.router)
     app.include_router(pools.router)
     app.include_router(usage.router)
+    app.include_router(serving.router)
     holder: dict[str, Projector] = {}
 
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
@@ -64,6 +65,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     consumers.subscribe(
         *pools.POOL_TOPICS, group_id=f"{settings.group_id}-pools", handle=pool_views
+    )
+
+    async def service_views(records: Records) -> None:
+        await consumers.publish(await serving.record_services(app.state.gateway.pool, records))
+
+    consumers.subscribe(
+        *serving.SERVICE_TOPICS, group_id=f"{settings.group_id}-services", handle=service_views
     )
     consumers.subscribe(*PROJECTED, group_id=settings.group_id, handle=handle)
 

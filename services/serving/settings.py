@@ -1,0 +1,11 @@
+"""Serving settings (env prefix QM_)."""
+
+from services.common.settings import ServiceSettings
+
+
+class ServingSettings(ServiceSettings):
+    group_id: str = "serving"
+    # How often every service is looked at (wall seconds): scale, rollout step, replacements.
+    decide_every_s: float = 1.0
+    # Replica lifecycle and reports are not on a batch job's critical path.
+    fetch_max_wait_ms: int = 100

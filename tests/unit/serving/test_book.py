@@ -1,0 +1,204 @@
+"""The serving service's books without I/O: a service declared gets its minimum replicas as
+jobs, replicas that report ready become endpoints, load scales it, a new version rolls out a
+few at a time, a failing version rolls back by itself, a lost replica waits again and a failed
+one is replaced."""
+
+from __future__ import annotations
+
+from core.serving import ReplicaState
+from schemas.job import Resources
+from schemas.serving import ReplicaReported, ServiceAction, ServiceCommand, ServiceSpec
+from services.serving.book import Book, Refused
+
+T0 = 1_000_000.0
+
+
+def spec(**over: object) -> ServiceSpec:
+    base: dict[str, object] = {
+        "name": "chat",
+        "tenant": "vision",
+        "model": "llama",
+        "version": "v1",
+        "resources": Resources(accelerators=0.5, cpu=2, memory_gb=8),
+        "min_replicas": 2,
+        "max_replicas": 6,
+        "target_rps": 10.0,
+        "latency_slo_ms": 200.0,
+        "scale_down_after_s": 60.0,
+    }
+    return ServiceSpec.model_validate({**base, **over})
+
+
+def run_all(book: Book, now: float) -> None:
+    """Every pending replica starts and reports ready."""
+    for rep in list(book.replicas.values()):
+        if rep.live and rep.state is ReplicaState.PENDING:
+            book.started(rep.job_id, 0, "onprem", [f"n-{rep.job_id}"], now)
+            ready = ReplicaReported(
+                service=rep.service, replica=rep.job_id, ready=True, address=f"{rep.job_id}:80"
+            )
+            book.report(ready, now, now)
+
+
+def end_stopped(book: Book, now: float) -> None:
+    for rep in [r for r in book.replicas.values() if r.stopping]:
+        book.ended(rep.job_id, failed=False, now=now)
+
+
+def live(book: Book, version: str | None = None) -> list[str]:
+    return sorted(
+        r.job_id
+        for r in book.replicas.values()
+        if r.live and (version is None or r.version == version)
+    )
+
+
+def test_declared_service_gets_guaranteed_minimum_and_endpoints() -> None:
+    book = Book()
+    book.declare(spec(), T0)
+    out = book.round(T0)
+    assert [s.job_id for s in out.submit] == ["svc-chat-1", "svc-chat-2"]
+    assert all(not s.preemptible and s.priority_class == "high" for s in out.submit)
+    assert out.submit[0].labels["qm_service"] == "chat"
+    assert out.submit[0].retry.max_retries == 0
+    assert out.statuses and out.statuses[-1].endpoints == []
+    run_all(book, T0 + 1)
+    status = book.round(T0 + 1).statuses[-1]
+    assert status.ready_replicas == 2
+    assert sorted(e.address for e in status.endpoints) == ["svc-chat-1:80", "svc-chat-2:80"]
+    # Nothing changed: nothing published.
+    assert book.round(T0 + 2).statuses == []
+
+
+def test_load_scales_up_at_once_and_down_after_the_quiet_window() -> None:
+    book = Book()
+    book.declare(spec(), T0)
+    book.round(T0)
+    run_all(book, T0)
+    for i, job in enumerate(live(book)):
+        book.report(
+            ReplicaReported(service="chat", replica=job, rps=25.0, latency_ms=50.0),
+            T0 + 1 + i,
+            T0 + 2,
+        )
+    out = book.round(T0 + 2)
+    assert len(out.submit) == 3  # 50 rps at 10 each: 5 replicas
+    assert all(s.preemptible for s in out.submit)  # above the minimum
+    assert book.services["chat"].desired == 5
+    run_all(book, T0 + 3)
+    # The load drops; replicas go only after the window, to 80 % headroom.
+    for t in range(4, 80, 5):
+        for job in live(book):
+            book.report(
+                ReplicaReported(service="chat", replica=job, rps=2.0, latency_ms=40.0),
+                T0 + t,
+                T0 + t,
+            )
+        out = book.round(T0 + t)
+        if t < 60:
+            assert out.stop == []
+    assert book.services["chat"].desired == 2
+    stopped = {job for job, _, _ in out.stop} | {
+        r.job_id for r in book.replicas.values() if r.stopping
+    }
+    assert len(stopped) == 3
+    assert all(book.replicas[j].guaranteed is False for j in stopped)
+
+
+def test_rollout_replaces_replicas_a_few_at_a_time_and_completes() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=3, max_replicas=3), T0)
+    book.round(T0)
+    run_all(book, T0)
+    book.round(T0)
+    book.declare(spec(min_replicas=3, max_replicas=3, version="v2"), T0 + 10)
+    now = T0 + 10
+    for _ in range(20):
+        out = book.round(now)
+        # Never fewer than 3 ready, never more than 4 live.
+        ready = [r for r in book.replicas.values() if r.state is ReplicaState.READY and r.live]
+        assert len(ready) >= 3 or not out.stop
+        assert len(live(book)) <= 4
+        end_stopped(book, now)
+        run_all(book, now + 1)
+        now += 2
+        if book.services["chat"].rollout_from is None:
+            break
+    assert book.services["chat"].rollout_from is None
+    assert book.services["chat"].change == "rollout_done"
+    assert len(live(book, "v2")) == 3 and live(book, "v1") == []
+
+
+def test_failing_version_rolls_back_by_itself() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=2, max_replicas=2), T0)
+    book.round(T0)
+    run_all(book, T0)
+    book.round(T0)
+    book.declare(spec(min_replicas=2, max_replicas=2, version="v2"), T0 + 10)
+    out = book.round(T0 + 10)
+    (new,) = [s.job_id for s in out.submit]
+    book.started(new, 0, "onprem", ["n1"], T0 + 11)
+    book.ended(new, failed=True, now=T0 + 12)
+    out = book.round(T0 + 12)
+    rec = book.services["chat"]
+    assert rec.change == "rollback_started" and rec.rolling_back
+    assert rec.spec.version == "v1" and "failed" in rec.reason
+    for _ in range(5):
+        book.round(T0 + 13)
+    assert rec.rollout_from is None and rec.change == "rolled_back"
+    assert len(live(book, "v1")) == 2
+    # The way forward again is an undo (back to v2).
+    book.command(ServiceCommand(service="chat", tenant="vision", action=ServiceAction.UNDO), T0 + 20)
+    assert rec.spec.version == "v2" and rec.rollout_from == "v1"
+
+
+def test_lost_replica_waits_again_and_failed_one_is_replaced() -> None:
+    book = Book()
+    book.declare(spec(), T0)
+    book.round(T0)
+    run_all(book, T0)
+    book.round(T0)
+    first, second = live(book)
+    book.preempted(first, 0, T0 + 5)
+    assert book.replicas[first].state is ReplicaState.PENDING
+    assert book.replicas[first].address is None
+    assert book.round(T0 + 5).submit == []  # the queue requeues it: no new job
+    book.ended(second, failed=True, now=T0 + 6)
+    out = book.round(T0 + 6)
+    assert [s.job_id for s in out.submit] == ["svc-chat-3"]
+    assert not out.submit[0].preemptible  # it replaces a guaranteed replica
+
+
+def test_refusals_name_the_cause() -> None:
+    book = Book()
+    book.declare(spec(), T0)
+    try:
+        book.declare(spec(tenant="nlp"), T0)
+        raise AssertionError("another tenant took the name")
+    except Refused as error:
+        assert "another tenant" in str(error)
+    try:
+        book.declare(spec(image="other:1"), T0)
+        raise AssertionError("a new template kept its version")
+    except Refused as error:
+        assert "new version" in str(error)
+    try:
+        book.command(ServiceCommand(service="chat", tenant="nlp", action=ServiceAction.DELETE), T0)
+        raise AssertionError("another tenant deleted it")
+    except Refused:
+        pass
+
+
+def test_delete_stops_every_replica_and_frees_the_name() -> None:
+    book = Book()
+    book.declare(spec(), T0)
+    book.round(T0)
+    book.command(
+        ServiceCommand(service="chat", tenant="vision", action=ServiceAction.DELETE), T0 + 1
+    )
+    out = book.round(T0 + 1)
+    assert sorted(j for j, _, _ in out.stop) == ["svc-chat-1", "svc-chat-2"]
+    assert out.statuses[-1].phase.value == "deleted"
+    book.declare(spec(tenant="nlp"), T0 + 2)
+    assert book.round(T0 + 2).submit[0].job_id == "svc-chat-3"
