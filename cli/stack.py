@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,9 +112,18 @@ def default_token(auth_file: Path) -> str | None:
     return None
 
 
-def service_plan(logs: Path, gateway_port: int, clusters: list[str]) -> list[Service]:
+def robot_fleet_names(fleet_file: Path) -> list[str]:
+    """The robot fleets (edge clusters) in a fleet file: one edge executor runs per fleet."""
+    fleet = yaml.safe_load(fleet_file.read_text()) or {}
+    return [str(f["name"]) for f in fleet.get("robot_fleets") or [] if "name" in f]
+
+
+def service_plan(
+    logs: Path, gateway_port: int, clusters: list[str], robot_fleets: Sequence[str] = ()
+) -> list[Service]:
     """Every service process to start, with the gateway on its fixed port. Two schedulers:
-    one leads, the other follows the log and takes over when the leader dies."""
+    one leads, the other follows the log and takes over when the leader dies. An executor per
+    cluster, and an edge executor per robot fleet."""
     plan = [Service("gateway", "services.gateway", gateway_port, logs / "gateway.log")]
     plan += [
         Service(n, f"services.{n}", free_port(), logs / f"{n}.log")
@@ -131,6 +140,17 @@ def service_plan(logs: Path, gateway_port: int, clusters: list[str]) -> list[Ser
                 free_port(),
                 logs / f"{name}.log",
                 {"QM_EXECUTOR_CLUSTER": cluster},
+            )
+        )
+    for fleet in robot_fleets:
+        name = "edge-" + re.sub(r"[^A-Za-z0-9_.-]", "_", fleet)
+        plan.append(
+            Service(
+                name,
+                "services.executor.edge",
+                free_port(),
+                logs / f"{name}.log",
+                {"QM_EDGE_FLEET": fleet},
             )
         )
     return plan
@@ -203,7 +223,12 @@ class Stack:
             raise StackError(f"port {gateway_port} is taken; choose another (qm up --port N)")
         state_dir = state_dir.resolve()
         (state_dir / "logs").mkdir(parents=True, exist_ok=True)
-        plan = service_plan(state_dir / "logs", gateway_port, cluster_names(fleet_file))
+        plan = service_plan(
+            state_dir / "logs",
+            gateway_port,
+            cluster_names(fleet_file),
+            robot_fleet_names(fleet_file),
+        )
         environ = {**os.environ, **(env or {})}
         stack = cls(state_dir, f"http://127.0.0.1:{gateway_port}", default_token(auth_file))
         try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from schemas import events, health, serving, usage
+from schemas import events, health, robots, serving, usage
 from schemas.job import JobSpec
 
 DAY_MS = 86_400_000
@@ -64,6 +64,11 @@ SERVICE_DECLARED = "service.declared"
 SERVICE_COMMAND = "service.command"
 SERVICE_LOAD = "service.load"
 SERVICE_STATUS = "service.status"
+ROBOT_INVENTORY = "robot.inventory"
+DEPLOYMENT_DECLARED = "deployment.declared"
+DEPLOYMENT_COMMAND = "deployment.command"
+ROBOT_DESIRED = "robot.desired"
+DEPLOYMENT_STATUS = "deployment.status"
 DEAD_LETTER = "dead.letter"
 
 _JOB = "job_id"
@@ -321,6 +326,49 @@ TOPICS: tuple[Topic, ...] = (
         "ServiceStatus",
         serving.ServiceStatus,
         "A service's replicas, rollout and endpoints after each change, with the reason.",
+    ),
+    Topic(
+        ROBOT_INVENTORY,
+        "cluster",
+        1,
+        "RobotInventory",
+        robots.RobotInventory,
+        "An edge executor's robots: site, labels, link, the versions they run, their health.",
+        retention_ms=1 * DAY_MS,
+    ),
+    Topic(
+        DEPLOYMENT_DECLARED,
+        "deployment",
+        1,
+        "DeploymentDeclared",
+        robots.DeploymentDeclared,
+        "A model version to deploy to a selection of robots, in waves gated by their health.",
+    ),
+    Topic(
+        DEPLOYMENT_COMMAND,
+        "deployment",
+        1,
+        "DeploymentCommand",
+        robots.DeploymentCommand,
+        "Command: pause, resume or undo a robot deployment; pin or unpin one robot.",
+    ),
+    Topic(
+        ROBOT_DESIRED,
+        "robot",
+        1,
+        "RobotDesired",
+        robots.RobotDesired,
+        "The model version a robot should run (newest per robot and model); edge executors "
+        "read it from the start, so it is kept a year (compact it on a production broker).",
+        retention_ms=365 * DAY_MS,
+    ),
+    Topic(
+        DEPLOYMENT_STATUS,
+        "deployment",
+        1,
+        "DeploymentStatus",
+        robots.DeploymentStatus,
+        "A robot deployment's waves, robots on the version, and why it waits or rolled back.",
     ),
     Topic(
         DEAD_LETTER,

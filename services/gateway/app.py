@@ -11,7 +11,7 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import explain, pools, problems, routes, serving, store, usage
+from services.gateway import explain, pools, problems, robots, routes, serving, store, usage
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
 from services.gateway.explain import record_explanations
@@ -38,6 +38,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(pools.router)
     app.include_router(usage.router)
     app.include_router(serving.router)
+    app.include_router(robots.router)
     holder: dict[str, Projector] = {}
 
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
@@ -72,6 +73,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     consumers.subscribe(
         *serving.SERVICE_TOPICS, group_id=f"{settings.group_id}-services", handle=service_views
+    )
+
+    async def robot_views(records: Records) -> None:
+        await consumers.publish(await robots.record_robots(app.state.gateway.pool, records))
+
+    consumers.subscribe(
+        *robots.ROBOT_TOPICS, group_id=f"{settings.group_id}-robots", handle=robot_views
     )
     consumers.subscribe(*PROJECTED, group_id=settings.group_id, handle=handle)
 

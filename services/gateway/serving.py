@@ -147,11 +147,11 @@ async def _row(gw: Gateway, name: str) -> asyncpg.Record | None:
     return await gw.pool.fetchrow("SELECT * FROM gateway.services WHERE name = $1", name)
 
 
-async def _publish(gw: Gateway, message: OutMessage) -> None:
+async def publish_command(gw: Gateway, message: OutMessage) -> None:
     try:
         await publish_all(gw.broker, [message])
     except Exception as exc:
-        raise HTTPException(503, detail="the service log is unavailable; retry shortly") from exc
+        raise HTTPException(503, detail="the log is unavailable; retry shortly") from exc
 
 
 def _deleted(row: asyncpg.Record) -> bool:
@@ -184,7 +184,7 @@ async def declare_service(body: DeclareService, gw: GatewayDep, who: PrincipalDe
         raise HTTPException(409, detail=f"the service name {spec.name!r} is taken; pick another")
     declared = ServiceDeclared(spec=spec, declared_by=who.tenant)
     env = envelope_for("ServiceDeclared", declared, producer="gateway", tenant=tenant)
-    await _publish(gw, OutMessage(topics.SERVICE_DECLARED, spec.name, env))
+    await publish_command(gw, OutMessage(topics.SERVICE_DECLARED, spec.name, env))
     return Accepted(
         service=spec.name,
         action="declare",
@@ -266,7 +266,7 @@ async def _command(
             detail={"reason_code": "invalid_command", "message": describe_validation_error(exc)},
         ) from exc
     env = envelope_for("ServiceCommand", command, producer="gateway", tenant=row["tenant"])
-    await _publish(gw, OutMessage(topics.SERVICE_COMMAND, name, env))
+    await publish_command(gw, OutMessage(topics.SERVICE_COMMAND, name, env))
     return Accepted(service=name, action=action.value, message=f"{action.value} sent")
 
 

@@ -34,6 +34,7 @@ from schemas.events import (
     Outcome,
     RunFailed,
 )
+from schemas.robots import DeploymentCommand, DeploymentDeclared, RobotInventory
 from schemas.serving import ReplicaReported, ServiceCommand, ServiceDeclared
 from schemas.validation import describe_validation_error
 from services.common.bootstrap import open_outboxed
@@ -43,7 +44,9 @@ from services.common.kafka import OutMessage, decode_key, envelope_for, make_bro
 from services.common.outbox import OutboxRelay
 from services.common.runtime import Runtime, create_http_app
 from services.common.singleton import singleton_for
+from services.serving import deployments
 from services.serving.book import Book, Refused, ReplicaRecord, RoundOut, ServiceRecord
+from services.serving.deployments import DeploymentRecord, Deployments, FleetRound
 from services.serving.settings import ServingSettings
 
 NAME = "serving"
@@ -60,6 +63,9 @@ PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_PREEMPTED: JobPreempted,
     topics.JOB_RUN_FAILED: RunFailed,
     topics.JOB_REJECTED: JobRejected,
+    topics.DEPLOYMENT_DECLARED: DeploymentDeclared,
+    topics.DEPLOYMENT_COMMAND: DeploymentCommand,
+    topics.ROBOT_INVENTORY: RobotInventory,
 }
 JOB_TOPICS = frozenset(
     {
@@ -71,7 +77,14 @@ JOB_TOPICS = frozenset(
     }
 )
 # Declarations and commands are applied once (by event id); the rest are idempotent.
-ONCE = frozenset({topics.SERVICE_DECLARED, topics.SERVICE_COMMAND})
+ONCE = frozenset(
+    {
+        topics.SERVICE_DECLARED,
+        topics.SERVICE_COMMAND,
+        topics.DEPLOYMENT_DECLARED,
+        topics.DEPLOYMENT_COMMAND,
+    }
+)
 
 
 class ServingMetrics:
@@ -108,7 +121,8 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
     runtime.singleton = singleton_for(settings.redis_url, NAME, settings.singleton_ttl_s)
     broker = make_broker(settings, NAME, runtime.registry)
     metrics = ServingMetrics(runtime.registry)
-    book = Book()
+    book = Book(settings.time_scale)
+    fleets = Deployments(settings.time_scale)
     lock = asyncio.Lock()
     state: dict[str, Any] = {}
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
@@ -142,6 +156,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
                     continue
                 apply(payload, got.envelope.occurred_at.timestamp(), now)
             await save(tx.conn, book.dirty_services, book.dirty_replicas, book.dropped)
+            await save_deployments(tx.conn, fleets.dirty)
             book.dirty_replicas, book.dropped = set(), set()
             tx.emit(dead)
 
@@ -168,6 +183,27 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             book.ended(payload.job_id, failed=payload.outcome is Outcome.FAILED, now=now)
         elif isinstance(payload, JobRejected) and payload.job_id:
             book.ended(payload.job_id, failed=True, now=now)
+        elif isinstance(payload, RobotInventory):
+            fleets.inventory(payload)
+        elif isinstance(payload, DeploymentDeclared):
+            try:
+                fleets.declare(payload.spec, now)
+            except deployments.Refused as error:
+                refuse_deployment(payload.spec.name, payload.spec.tenant, str(error))
+        elif isinstance(payload, DeploymentCommand):
+            try:
+                fleets.command(payload, now)
+            except deployments.Refused as error:
+                refuse_deployment(payload.deployment, payload.tenant, str(error))
+
+    def refuse_deployment(name: str, tenant: str, reason: str) -> None:
+        metrics.refused.inc()
+        log.warning("refused", deployment=name, tenant=tenant, reason=reason)
+        rec = fleets.records.get(name)
+        if rec is not None and rec.spec.tenant == tenant:
+            rec.reason = f"refused: {reason}"
+            rec.revision += 1
+            fleets.dirty.add(name)
 
     def refuse(name: str, tenant: str, reason: str) -> None:
         metrics.refused.inc()
@@ -208,6 +244,19 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
         if gone:
             await conn.execute("DELETE FROM serving.replicas WHERE job_id = ANY($1::text[])", gone)
 
+    async def save_deployments(conn: Any, names: set[str]) -> None:
+        rows = [
+            (n, fleets.records[n].spec.tenant, json.dumps(fleets.records[n].to_json()))
+            for n in sorted(names)
+            if n in fleets.records
+        ]
+        if rows:
+            await conn.executemany(
+                "INSERT INTO serving.deployments (name, tenant, record) VALUES ($1, $2, $3)"
+                " ON CONFLICT (name) DO UPDATE SET record = EXCLUDED.record, updated_at = now()",
+                rows,
+            )
+
     async def decide_loop() -> None:
         while True:
             await asyncio.sleep(settings.decide_every_s)
@@ -222,17 +271,19 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             return  # frozen past the lease: a successor may be deciding
         relay: OutboxRelay = state["relay"]
         async with lock:
-            out = book.round(time.time())
-            messages = _messages(out)
-            if not (
-                messages or out.changed_services or out.changed_replicas or out.dropped_replicas
-            ):
+            now = time.time()
+            out = book.round(now)
+            robots = fleets.round(now)
+            messages = _messages(out) + _fleet_messages(robots)
+            changed = out.changed_services or out.changed_replicas or out.dropped_replicas
+            if not (messages or changed or robots.changed):
                 return
             async with relay.transaction() as tx:
                 tx.emit(messages)
                 await save(
                     tx.conn, out.changed_services, out.changed_replicas, out.dropped_replicas
                 )
+                await save_deployments(tx.conn, robots.changed)
         metrics.started.inc(len(out.submit))
         metrics.stopped.inc(len(out.stop))
         metrics.services.set(sum(1 for s in book.services.values() if not s.deleted))
@@ -241,6 +292,17 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             counts[r.state.value] = counts.get(r.state.value, 0) + 1
         for value in ("pending", "starting", "ready", "failed"):
             metrics.replicas.labels(value).set(counts.get(value, 0))
+        for d in robots.statuses:
+            log.info(
+                "deployment status",
+                deployment=d.deployment,
+                phase=d.phase.value,
+                version=d.version,
+                wave=f"{d.wave}/{d.waves}",
+                on_version=d.on_version,
+                selected=d.selected,
+                reason=d.reason,
+            )
         for status in out.statuses:
             metrics.changes.labels(status.change or "replicas").inc()
             log.info(
@@ -263,6 +325,9 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
         for r in await pool.fetch("SELECT record FROM serving.services"):
             rec = ServiceRecord.from_json(json.loads(r["record"]))
             book.services[rec.name] = rec
+        for r in await pool.fetch("SELECT record FROM serving.deployments"):
+            d = DeploymentRecord.from_json(json.loads(r["record"]))
+            fleets.records[d.spec.name] = d
         for r in await pool.fetch("SELECT record FROM serving.replicas"):
             rep = ReplicaRecord.from_json(json.loads(r["record"]))
             book.replicas[rep.job_id] = rep
@@ -273,6 +338,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
     app = create_http_app(runtime)
     app.state.runtime = runtime
     app.state.serving = book
+    app.state.deployments = fleets
     return app
 
 
@@ -305,5 +371,25 @@ def _messages(out: RoundOut) -> list[OutMessage]:
             envelope_for("ServiceStatus", status, producer=NAME, tenant=status.tenant),
         )
         for status in out.statuses
+    ]
+    return messages
+
+
+def _fleet_messages(out: FleetRound) -> list[OutMessage]:
+    messages = [
+        OutMessage(
+            topics.ROBOT_DESIRED,
+            d.robot,
+            envelope_for("RobotDesired", d, producer=NAME),
+        )
+        for d in out.desired
+    ]
+    messages += [
+        OutMessage(
+            topics.DEPLOYMENT_STATUS,
+            s.deployment,
+            envelope_for("DeploymentStatus", s, producer=NAME, tenant=s.tenant),
+        )
+        for s in out.statuses
     ]
     return messages

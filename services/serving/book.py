@@ -137,7 +137,12 @@ class Refused(ValueError):
 
 
 class Book:
-    def __init__(self) -> None:
+    """`time_scale`: fleet seconds per wall second. A spec's durations (scale-down window,
+    ready timeout) are fleet seconds, like every duration in a spec; the book runs on the
+    wall clock and divides them."""
+
+    def __init__(self, time_scale: float = 1.0) -> None:
+        self.time_scale = time_scale
         self.services: dict[str, ServiceRecord] = {}
         self.replicas: dict[str, ReplicaRecord] = {}
         self.reports: dict[str, deque[LoadReport]] = {}
@@ -340,7 +345,7 @@ class Book:
             max_replicas=s.max_replicas,
             target_rps=s.target_rps,
             latency_slo_ms=s.latency_slo_ms,
-            scale_down_after_s=s.scale_down_after_s,
+            scale_down_after_s=s.scale_down_after_s / self.time_scale,
         )
         live = {r.job_id for r in mine if r.live}
         decision = desired_replicas(
@@ -385,7 +390,7 @@ class Book:
         spec = RolloutSpec(
             max_surge=s.rollout.max_surge,
             max_unavailable=s.rollout.max_unavailable,
-            ready_timeout_s=s.rollout.ready_timeout_s,
+            ready_timeout_s=s.rollout.ready_timeout_s / self.time_scale,
             latency_slo_ms=s.latency_slo_ms,
         )
         replicas = [
@@ -464,7 +469,7 @@ class Book:
     def _trim_reports(self, now: float) -> None:
         for name, queue in self.reports.items():
             rec = self.services.get(name)
-            keep = (rec.spec.scale_down_after_s if rec else 0.0) + REPORTS_SLACK_S
+            keep = (rec.spec.scale_down_after_s / self.time_scale if rec else 0.0) + REPORTS_SLACK_S
             while queue and now - queue[0].at > keep:
                 queue.popleft()
 

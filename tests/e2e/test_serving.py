@@ -36,7 +36,8 @@ def service(name: str, version: str, **over: Any) -> dict[str, Any]:
         "max_replicas": 4,
         "target_rps": 10,
         "latency_slo_ms": 500,
-        "scale_down_after_s": 4,
+        "scale_down_after_s": 2400,  # fleet seconds: 4 s at the e2e stack's 600x
+        "rollout": {"ready_timeout_s": 60000},
         **over,
     }
 

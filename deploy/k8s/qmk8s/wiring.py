@@ -50,6 +50,7 @@ SERVICES: dict[str, Needs] = {
     "meter": _needs("kafka postgres redis", "policy_file fleet_file budgets_file"),
     "health": _needs("kafka postgres redis", "health_file"),
     "autoscaler": _needs("kafka postgres redis", "policy_file fleet_file"),
+    "serving": _needs("kafka postgres redis", ""),
     "executor": _needs("kafka postgres", "policy_file fleet_file"),
 }
 STORE_SETTING = {"postgres": "QM_DATABASE_URL", "redis": "QM_REDIS_URL"}

@@ -18,7 +18,15 @@ from cli import stack as stack_module
 from cli.errors import StackError
 from cli.main import app
 from cli.processes import group_members, is_alive, spawn
-from cli.stack import PROJECT_ROOT, Service, Stack, cluster_names, default_token, service_plan
+from cli.stack import (
+    PROJECT_ROOT,
+    Service,
+    Stack,
+    cluster_names,
+    default_token,
+    robot_fleet_names,
+    service_plan,
+)
 
 EXAMPLES = PROJECT_ROOT / "examples"
 
@@ -35,6 +43,7 @@ def test_one_executor_per_cluster_of_the_fleet(tmp_path: Path) -> None:
         "health",
         "meter",
         "autoscaler",
+        "serving",
         "scheduler-standby",
         "executor-a",
         "executor-b_c",
@@ -221,7 +230,9 @@ def test_stack_starts_records_and_stops_everything(
     try:
         record = json.loads((tmp_path / "st" / "stack.json").read_text())
         assert record["ready"] and record["token"] == "dev-vision"
-        assert len(record["services"]) == 8 + len(cluster_names(EXAMPLES / "fleet.yaml"))
+        assert len(record["services"]) == 9 + len(cluster_names(EXAMPLES / "fleet.yaml")) + len(
+            robot_fleet_names(EXAMPLES / "fleet.yaml")
+        )
         assert {s["name"]: s["how"] for s in record["servers"]}["postgres"] == "env"
         assert stack.alive()
     finally:

@@ -149,7 +149,9 @@ def test_failing_version_rolls_back_by_itself() -> None:
     assert rec.rollout_from is None and rec.change == "rolled_back"
     assert len(live(book, "v1")) == 2
     # The way forward again is an undo (back to v2).
-    book.command(ServiceCommand(service="chat", tenant="vision", action=ServiceAction.UNDO), T0 + 20)
+    book.command(
+        ServiceCommand(service="chat", tenant="vision", action=ServiceAction.UNDO), T0 + 20
+    )
     assert rec.spec.version == "v2" and rec.rollout_from == "v1"
 
 
