@@ -1,5 +1,6 @@
 """`qm fault`: inject faults into the simulated fleet of a running stack — a node's hardware
-signal, a straggler, a whole cluster going dark, or a seeded random mode."""
+signal, a straggler, a whole cluster going dark, a seeded random mode, or a robot whose link
+drops or whose model turns unhealthy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from cli.client import state_dir
 # `qm --help` builds this sub-app, so the stack machinery and httpx are imported when a
 # fault is actually injected.
 if TYPE_CHECKING:
+    import httpx
+
     from cli.stack import Service
 
 fault_app = typer.Typer(
@@ -19,18 +22,15 @@ fault_app = typer.Typer(
 )
 
 
-def _executors() -> dict[str, Service]:
-    """cluster name -> its executor service, from the running stack's record."""
+def _executors(key: str = "QM_EXECUTOR_CLUSTER") -> dict[str, Service]:
+    """cluster name -> its executor service, from the running stack's record (with
+    ``QM_EDGE_FLEET``: robot fleet name -> its edge executor)."""
     from cli.stack import Stack
 
     stack = Stack.load(state_dir())
     if stack is None:
         raise typer.BadParameter("no stack is running here (start one with `qm up`)")
-    return {
-        s.extra_env["QM_EXECUTOR_CLUSTER"]: s
-        for s in stack.services
-        if "QM_EXECUTOR_CLUSTER" in s.extra_env
-    }
+    return {s.extra_env[key]: s for s in stack.services if key in s.extra_env}
 
 
 def _owner(executors: dict[str, Service], node_id: str) -> Service:
@@ -42,10 +42,17 @@ def _owner(executors: dict[str, Service], node_id: str) -> Service:
     return executors[owners[-1]]
 
 
-def _post(service: Service, path: str, body: dict[str, object]) -> None:
+def _send(service: Service, path: str, body: dict[str, object]) -> httpx.Response:
     import httpx
 
-    r = httpx.post(f"http://127.0.0.1:{service.port}{path}", json=body, timeout=5)
+    return httpx.post(f"http://127.0.0.1:{service.port}{path}", json=body, timeout=5)
+
+
+def _post(service: Service, path: str, body: dict[str, object]) -> None:
+    _report(_send(service, path, body))
+
+
+def _report(r: httpx.Response) -> None:
     if r.status_code >= 400:
         typer.echo(f"refused: {r.json().get('detail', r.text)}", err=True)
         raise typer.Exit(1)
@@ -118,3 +125,53 @@ def cluster(
     if name not in executors:
         raise typer.BadParameter(f"unknown cluster {name}; known: {', '.join(sorted(executors))}")
     _post(executors[name], "/faults/cluster", {"state": state})
+
+
+@fault_app.command("robot")
+def robot(
+    robot_id: Annotated[str, typer.Argument(help="e.g. lab-a-003")],
+    offline: Annotated[
+        bool | None,
+        typer.Option(
+            "--offline/--online",
+            help="take its link down (it misses rollouts until back) or bring it back",
+            show_default=False,
+        ),
+    ] = None,
+    unhealthy: Annotated[
+        bool | None,
+        typer.Option(
+            "--unhealthy/--healthy",
+            help="make the model it runs fail its health check (rolls a deployment back), "
+            "or clear that",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Take a robot's link down or up, or make its model unhealthy or healthy again."""
+    import httpx
+
+    if offline is None and unhealthy is None:
+        raise typer.BadParameter("give --offline or --online, and/or --unhealthy or --healthy")
+    body: dict[str, object] = {
+        "robot": robot_id,
+        "link": None if offline is None else ("offline" if offline else "online"),
+        "health": None if unhealthy is None else ("unhealthy" if unhealthy else "healthy"),
+    }
+    fleets = _executors("QM_EDGE_FLEET")
+    if not fleets:
+        raise typer.BadParameter("this stack runs no robot fleet (no edge executor)")
+    unreachable = []
+    for fleet in sorted(fleets):  # a robot is in one fleet: the others answer 404
+        try:
+            r = _send(fleets[fleet], "/faults/robot", body)
+        except httpx.HTTPError:
+            unreachable.append(fleet)
+            continue
+        if r.status_code != 404:
+            _report(r)
+            return
+    message = f"no robot fleet of this stack ({', '.join(sorted(fleets))}) has a robot {robot_id}"
+    if unreachable:
+        message += f"; the edge executor of {', '.join(unreachable)} did not answer (qm ps)"
+    raise typer.BadParameter(message)

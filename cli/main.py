@@ -20,6 +20,7 @@ from rich.console import Console
 
 from cli import jobs, render
 from cli import pools as pools_command
+from cli import robots as robots_command
 from cli import services as services_command
 from cli import usage as usage_command
 from cli.client import state_dir
@@ -316,6 +317,7 @@ jobs.register(app)
 app.command("usage")(usage_command.usage)
 app.command("pools")(pools_command.pools)
 services_command.register(app)
+robots_command.register(app)
 app.add_typer(fault_app, name="fault")
 
 try:  # the simulator is optional: `qm` works without it (sim.cli defers its heavy imports)
