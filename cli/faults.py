@@ -142,8 +142,8 @@ def robot(
         bool | None,
         typer.Option(
             "--unhealthy/--healthy",
-            help="make the model it runs fail its health check (rolls a deployment back), "
-            "or clear that",
+            help="make the models it runs report unhealthy (a rollout that reached it rolls "
+            "back), or clear that",
             show_default=False,
         ),
     ] = None,

@@ -351,9 +351,7 @@ def robots(
 def deploy(
     target: Annotated[
         str,
-        typer.Argument(
-            metavar="MODEL:VERSION", help="e.g. detector:v2.", show_default=False
-        ),
+        typer.Argument(metavar="MODEL:VERSION", help="e.g. detector:v2.", show_default=False),
     ],
     to: Annotated[
         str,
@@ -366,7 +364,8 @@ def deploy(
     name: Annotated[
         str | None,
         typer.Option(
-            "--name", help="Deployment name (default: the model's, as a DNS label).",
+            "--name",
+            help="Deployment name (default: the model's, as a DNS label).",
             show_default=False,
         ),
     ] = None,
@@ -378,9 +377,7 @@ def deploy(
     ] = WAVE_SHARE,
     soak: Annotated[
         float,
-        typer.Option(
-            "--soak", min=0, max=MAX_SOAK_S, help="Seconds healthy before the next wave."
-        ),
+        typer.Option("--soak", min=0, max=MAX_SOAK_S, help="Seconds healthy before the next wave."),
     ] = SOAK_S,
     label: Annotated[
         list[str] | None,
