@@ -178,11 +178,13 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
         elif isinstance(payload, JobPreempted):
             book.preempted(payload.job_id, payload.attempt, now)
         elif isinstance(payload, RunFailed):
-            book.ended(payload.job_id, failed=True, now=now)
+            book.ended(payload.job_id, failed=True, now=now, why=payload.message)
         elif isinstance(payload, JobFinished):
-            book.ended(payload.job_id, failed=payload.outcome is Outcome.FAILED, now=now)
+            failed = payload.outcome is Outcome.FAILED
+            book.ended(payload.job_id, failed=failed, now=now, why=payload.message or "")
         elif isinstance(payload, JobRejected) and payload.job_id:
-            book.ended(payload.job_id, failed=True, now=now)
+            why = f"{payload.reason_code.value}: {payload.message}"
+            book.ended(payload.job_id, failed=True, now=now, why=why)
         elif isinstance(payload, RobotInventory):
             fleets.inventory(payload)
         elif isinstance(payload, DeploymentDeclared):

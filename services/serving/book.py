@@ -47,6 +47,9 @@ REPORTS_SLACK_S = 60.0
 MAX_REPORTS = 50_000  # per service: a flood of reports cannot grow memory without bound
 # A failed replica is remembered this long when no rollout needs it (for the status).
 FAILED_KEPT_S = 600.0
+# After replicas fail one after another, a replacement waits 2, 4, 8 ... s (wall), up to this:
+# a version that cannot start (or a spec the queue refuses) is not resubmitted every second.
+BACKOFF_MAX_S = 300.0
 
 
 def replica_job_id(service: str, n: int) -> str:
@@ -97,6 +100,9 @@ class ServiceRecord:
     revision: int = 0
     change: str = "declared"
     reason: str = ""
+    # Replicas failed since one was last ready, and no replacement before `retry_at`.
+    failures: int = 0
+    retry_at: float = 0.0
     # What the last published status held (not the time): publish only on change.
     published: str = ""
 
@@ -258,6 +264,10 @@ class Book:
         if r.ready is not None and rep.live:
             if r.ready and rep.state is not ReplicaState.READY:
                 rep.state, rep.since = ReplicaState.READY, now
+                rec = self.services.get(rep.service)
+                if rec is not None and rec.failures:
+                    rec.failures, rec.retry_at = 0, 0.0
+                    self.dirty_services.add(rec.name)
             elif not r.ready and rep.state is ReplicaState.READY:
                 rep.state, rep.since = ReplicaState.STARTING, now
             if r.address and rep.address != r.address:
@@ -290,12 +300,24 @@ class Book:
         rep.address = rep.cluster = rep.node = None
         self.dirty_replicas.add(job_id)
 
-    def ended(self, job_id: str, failed: bool, now: float) -> None:
-        """The job ended: a failure is remembered (a rollout judges it), anything else goes."""
+    def ended(self, job_id: str, failed: bool, now: float, why: str = "") -> None:
+        """The job ended: a failure is remembered (a rollout judges it; replacements back
+        off), anything else goes."""
         rep = self.replicas.get(job_id)
         if rep is None:
             return
         if failed and not rep.stopping:
+            if rep.state is not ReplicaState.FAILED:
+                rec = self.services.get(rep.service)
+                if rec is not None:
+                    rec.failures += 1
+                    rec.retry_at = now + min(2.0**rec.failures, BACKOFF_MAX_S)
+                    rec.change = "replica_failed"
+                    rec.reason = f"replica {job_id} of {rep.version} failed" + (
+                        f": {why}" if why else ""
+                    )
+                    rec.revision += 1
+                    self.dirty_services.add(rec.name)
             rep.state, rep.since = ReplicaState.FAILED, now
             rep.address = None
             self.dirty_replicas.add(job_id)
@@ -409,6 +431,7 @@ class Book:
                 rec.reason = f"rolling back, and {step.reason}"
                 return
             self._reverse(rec, now, f"rolled back by itself: {step.reason}", back=True)
+            rec.failures, rec.retry_at = 0, 0.0  # the old version starts at once
             rec.change = "rollback_started"
             rec.revision += 1
             return
@@ -433,6 +456,8 @@ class Book:
         spec: ServiceSpec,
         now: float,
     ) -> None:
+        if now < rec.retry_at:
+            return  # replicas failed one after another: the next one waits (backoff)
         guaranteed = sum(1 for r in current if r.guaranteed)
         for _ in range(count):
             rec.seq += 1

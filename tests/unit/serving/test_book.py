@@ -167,7 +167,8 @@ def test_lost_replica_waits_again_and_failed_one_is_replaced() -> None:
     assert book.replicas[first].address is None
     assert book.round(T0 + 5).submit == []  # the queue requeues it: no new job
     book.ended(second, failed=True, now=T0 + 6)
-    out = book.round(T0 + 6)
+    assert book.round(T0 + 6).submit == []  # the first replacement waits 2 s
+    out = book.round(T0 + 8)
     assert [s.job_id for s in out.submit] == ["svc-chat-3"]
     assert not out.submit[0].preemptible  # it replaces a guaranteed replica
 
@@ -204,3 +205,32 @@ def test_delete_stops_every_replica_and_frees_the_name() -> None:
     assert out.statuses[-1].phase.value == "deleted"
     book.declare(spec(tenant="nlp"), T0 + 2)
     assert book.round(T0 + 2).submit[0].job_id == "svc-chat-3"
+
+
+def test_replicas_that_keep_failing_are_replaced_with_backoff_and_the_reason() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=1, max_replicas=1), T0)
+    submitted: list[float] = []
+    now = T0
+    for _ in range(120):
+        out = book.round(now)
+        for job in out.submit:
+            submitted.append(now)
+            # The queue refuses it at once (e.g. a class the policy does not know).
+            book.ended(job.job_id, failed=True, now=now, why="unknown_priority_class: no 'x'")
+        now += 1.0
+    gaps = [b - a for a, b in zip(submitted, submitted[1:], strict=False)]
+    assert len(submitted) <= 8, submitted  # 2, 4, 8, 16, 32, 64 s apart: not one a second
+    assert gaps == sorted(gaps) and gaps[-1] >= 32, gaps
+    rec = book.services["chat"]
+    assert rec.change == "replica_failed" and "unknown_priority_class" in rec.reason
+    # One that comes up resets the backoff.
+    out = book.round(now + 300)
+    (job,) = out.submit
+    book.started(job.job_id, 0, "onprem", ["n1"], now + 301)
+    book.report(
+        ReplicaReported(service="chat", replica=job.job_id, ready=True, address="a:1"),
+        now + 301,
+        now + 301,
+    )
+    assert rec.failures == 0 and rec.retry_at == 0.0

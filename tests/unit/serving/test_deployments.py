@@ -22,8 +22,7 @@ CONFIG = FleetConfig(install_s=2.0)
 
 def fleet(n: int = 20) -> list[SimRobot]:
     return [
-        SimRobot(f"lab-a-{i:03d}", "lab-a", "Jetson-Orin", {"robot_model": "mk2"})
-        for i in range(n)
+        SimRobot(f"lab-a-{i:03d}", "lab-a", "Jetson-Orin", {"robot_model": "mk2"}) for i in range(n)
     ]
 
 
