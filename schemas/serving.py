@@ -162,8 +162,11 @@ class ReplicaReported(Payload):
     service: ServiceName
     replica: str = Field(min_length=1, max_length=64, description="The replica's job id.")
     version: Name | None = None
+    attempt: int | None = Field(default=None, ge=0, description="The run reported on.")
     ready: bool | None = None
     address: str | None = Field(default=None, max_length=253)
+    cluster: Name | None = None
+    node: str | None = Field(default=None, max_length=253)
     rps: float | None = Field(default=None, ge=0, le=1e9)
     latency_ms: float | None = Field(default=None, ge=0, le=3.6e6)
 

@@ -123,16 +123,19 @@ SERVICE_PORT = 8000  # where a simulated replica answers on its node
 
 
 def readiness(job: RunningJob, cluster: str, now: datetime) -> ReplicaReported | None:
-    """A service replica that has loaded its model says it is ready, and where (the simulated
-    fleet plays the replica's readiness probe); None for other runs and before it is ready."""
-    if job.service is None or job.ready_at is None or job.ready_at > now or not job.replicas:
+    """A service replica runs, and is ready once it has loaded its model, and where (the
+    simulated fleet plays the replica's agent and readiness probe); None for other runs."""
+    if job.service is None or job.ready_at is None or not job.replicas:
         return None
     node = job.replicas[0].node_id
     return ReplicaReported(
         service=job.service,
         replica=job.job_id,
-        ready=True,
+        attempt=job.attempt,
+        ready=job.ready_at <= now,
         address=f"{node}.{cluster}:{SERVICE_PORT}",
+        cluster=cluster,
+        node=node,
     )
 
 

@@ -25,15 +25,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, ValidationError
 
 from schemas import topics
-from schemas.events import (
-    JobCancelRequested,
-    JobFinished,
-    JobPreempted,
-    JobRejected,
-    JobStarted,
-    Outcome,
-    RunFailed,
-)
+from schemas.events import JobCancelRequested, JobPreempted, JobRejected, RunFailed
 from schemas.robots import DeploymentCommand, DeploymentDeclared, RobotInventory
 from schemas.serving import ReplicaReported, ServiceCommand, ServiceDeclared
 from schemas.validation import describe_validation_error
@@ -58,22 +50,24 @@ PAYLOADS: dict[str, type[BaseModel]] = {
     topics.SERVICE_DECLARED: ServiceDeclared,
     topics.SERVICE_COMMAND: ServiceCommand,
     topics.SERVICE_LOAD: ReplicaReported,
-    topics.JOB_STARTED: JobStarted,
-    topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
     topics.JOB_RUN_FAILED: RunFailed,
     topics.JOB_REJECTED: JobRejected,
+    topics.JOB_CANCEL_REQUESTED: JobCancelRequested,
     topics.DEPLOYMENT_DECLARED: DeploymentDeclared,
     topics.DEPLOYMENT_COMMAND: DeploymentCommand,
     topics.ROBOT_INVENTORY: RobotInventory,
 }
+# The job topics it reads are the rare ones (failures, refusals, preemptions, cancels): a
+# replica's start, readiness and liveness come from its executor on `service.load`, so the
+# serving service does not read every job's `job.started` and `job.finished` (measured: that
+# cost the spine about a tenth of its throughput, docs/serving.md).
 JOB_TOPICS = frozenset(
     {
-        topics.JOB_STARTED,
-        topics.JOB_FINISHED,
         topics.JOB_PREEMPTED,
         topics.JOB_RUN_FAILED,
         topics.JOB_REJECTED,
+        topics.JOB_CANCEL_REQUESTED,
     }
 )
 # Declarations and commands are applied once (by event id); the rest are idempotent.
@@ -121,7 +115,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
     runtime.singleton = singleton_for(settings.redis_url, NAME, settings.singleton_ttl_s)
     broker = make_broker(settings, NAME, runtime.registry)
     metrics = ServingMetrics(runtime.registry)
-    book = Book(settings.time_scale)
+    book = Book(settings.time_scale, settings.silent_after_s)
     fleets = Deployments(settings.time_scale)
     lock = asyncio.Lock()
     state: dict[str, Any] = {}
@@ -173,15 +167,13 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
                 refuse(payload.service, payload.tenant, str(error))
         elif isinstance(payload, ReplicaReported):
             book.report(payload, at, now)
-        elif isinstance(payload, JobStarted):
-            book.started(payload.job_id, payload.attempt, payload.cluster, payload.nodes, now)
         elif isinstance(payload, JobPreempted):
             book.preempted(payload.job_id, payload.attempt, now)
         elif isinstance(payload, RunFailed):
             book.ended(payload.job_id, failed=True, now=now, why=payload.message)
-        elif isinstance(payload, JobFinished):
-            failed = payload.outcome is Outcome.FAILED
-            book.ended(payload.job_id, failed=failed, now=now, why=payload.message or "")
+        elif isinstance(payload, JobCancelRequested) and payload.requested_by != NAME:
+            # Someone stopped a replica by hand: it goes, and a new one takes its place.
+            book.ended(payload.job_id, failed=False, now=now)
         elif isinstance(payload, JobRejected) and payload.job_id:
             why = f"{payload.reason_code.value}: {payload.message}"
             book.ended(payload.job_id, failed=True, now=now, why=why)

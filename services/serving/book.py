@@ -147,8 +147,9 @@ class Book:
     ready timeout) are fleet seconds, like every duration in a spec; the book runs on the
     wall clock and divides them."""
 
-    def __init__(self, time_scale: float = 1.0) -> None:
+    def __init__(self, time_scale: float = 1.0, silent_after_s: float = 20.0) -> None:
         self.time_scale = time_scale
+        self.silent_after_s = silent_after_s
         self.services: dict[str, ServiceRecord] = {}
         self.replicas: dict[str, ReplicaRecord] = {}
         self.reports: dict[str, deque[LoadReport]] = {}
@@ -156,6 +157,10 @@ class Book:
         self.dirty_services: set[str] = set()
         self.dirty_replicas: set[str] = set()
         self.dropped: set[str] = set()
+        # When each running replica's agent last reported it (memory only: after a restart
+        # every replica counts as heard at the restart).
+        self.heard: dict[str, float] = {}
+        self.since_start: float | None = None
 
     # What arrives ---------------------------------------------------------------------------
 
@@ -258,37 +263,34 @@ class Book:
         rec.reason = reason
 
     def report(self, r: ReplicaReported, at: float, now: float) -> None:
+        """A replica's agent says it runs (not ready yet, or ready, and where), and/or the load
+        it served. A report of an earlier attempt (a run since handed back) is ignored."""
         rep = self.replicas.get(r.replica)
         if rep is None or rep.service != r.service:
             return  # not a replica of this service (or one long gone): nothing to learn
-        if r.ready is not None and rep.live:
+        stale = r.attempt is not None and r.attempt < rep.attempt
+        if r.ready is not None and rep.live and not stale:
+            self.heard[rep.job_id] = now
+            before = (rep.state, rep.address, rep.cluster, rep.node, rep.attempt)
+            if r.attempt is not None:
+                rep.attempt = r.attempt
             if r.ready and rep.state is not ReplicaState.READY:
                 rep.state, rep.since = ReplicaState.READY, now
                 rec = self.services.get(rep.service)
                 if rec is not None and rec.failures:
                     rec.failures, rec.retry_at = 0, 0.0
                     self.dirty_services.add(rec.name)
-            elif not r.ready and rep.state is ReplicaState.READY:
+            elif not r.ready and rep.state is not ReplicaState.STARTING:
                 rep.state, rep.since = ReplicaState.STARTING, now
-            if r.address and rep.address != r.address:
-                rep.address = r.address
-            self.dirty_replicas.add(rep.job_id)
-        if r.rps is not None and r.latency_ms is not None:
+            rep.address = r.address or rep.address
+            rep.cluster = r.cluster or rep.cluster
+            rep.node = r.node or rep.node
+            if (rep.state, rep.address, rep.cluster, rep.node, rep.attempt) != before:
+                self.dirty_replicas.add(rep.job_id)
+        if r.rps is not None and r.latency_ms is not None and not stale:
             rep.latency_ms = r.latency_ms
             queue = self.reports.setdefault(r.service, deque(maxlen=MAX_REPORTS))
             queue.append(LoadReport(r.replica, min(at, now), r.rps, r.latency_ms))
-
-    def started(
-        self, job_id: str, attempt: int, cluster: str, nodes: list[str], now: float
-    ) -> None:
-        rep = self.replicas.get(job_id)
-        if rep is None or attempt < rep.attempt or not rep.live:
-            return
-        rep.attempt = attempt
-        rep.cluster, rep.node = cluster, (nodes[0] if nodes else None)
-        if rep.state is ReplicaState.PENDING:
-            rep.state, rep.since = ReplicaState.STARTING, now
-        self.dirty_replicas.add(job_id)
 
     def preempted(self, job_id: str, attempt: int, now: float) -> None:
         """Its node failed or a higher claim took it: the queue requeues it; it waits again."""
@@ -330,6 +332,7 @@ class Book:
 
     def round(self, now: float) -> RoundOut:
         out = RoundOut()
+        self._silent(out, now)
         by_service: dict[str, list[ReplicaRecord]] = {}
         for rep in self.replicas.values():
             by_service.setdefault(rep.service, []).append(rep)
@@ -359,6 +362,23 @@ class Book:
         out.dropped_replicas |= self.dropped
         self.dirty_services, self.dirty_replicas, self.dropped = set(), set(), set()
         return out
+
+    def _silent(self, out: RoundOut, now: float) -> None:
+        """A running replica whose agent has not reported it for `silent_after_s` is failed
+        (its node or executor went away, or its job ended unseen) and stopped."""
+        if self.since_start is None:
+            self.since_start = now
+        for rep in list(self.replicas.values()):
+            if not rep.live or rep.state is ReplicaState.PENDING:
+                continue
+            last = self.heard.get(rep.job_id, self.since_start)
+            if now - last > self.silent_after_s:
+                rec = self.services.get(rep.service)
+                tenant = rec.spec.tenant if rec is not None else ""
+                self.ended(
+                    rep.job_id, failed=True, now=now, why=f"not reported for {now - last:.0f} s"
+                )
+                out.stop.append((rep.job_id, tenant, "its agent stopped reporting it"))
 
     def _scale(self, rec: ServiceRecord, mine: list[ReplicaRecord], now: float) -> None:
         s = rec.spec
@@ -476,9 +496,13 @@ class Book:
         for r in doomed:
             if r.stopping:
                 continue
+            # The stop is sent (through the outbox): the replica is forgotten at once, its
+            # job's end is the queue's and the executor's business.
             r.stopping = True
             out.stop.append((r.job_id, rec.spec.tenant, reason))
-            out.changed_replicas.add(r.job_id)
+            self.replicas.pop(r.job_id, None)
+            self.heard.pop(r.job_id, None)
+            out.dropped_replicas.add(r.job_id)
 
     def _forget_failures(
         self, out: RoundOut, rec: ServiceRecord, mine: list[ReplicaRecord], now: float

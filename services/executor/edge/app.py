@@ -42,6 +42,7 @@ class EdgeSettings(ServiceSettings):
     edge_fleet: str = "robots"
     # Wall seconds between two looks at every robot, and between two full inventories.
     step_every_s: float = 0.25
+    change_every_s: float = 1.0
     inventory_every_s: float = 5.0
 
 
@@ -119,9 +120,9 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         await caught_up.wait()
         redis: Redis = state["redis"]
         last_full = 0.0
+        changed = False
         while True:
             now = time.time()
-            changed = False
             moved: dict[str | bytes, str | bytes] = {}
             for robot in robots.values():
                 before = dict(robot.running)
@@ -133,7 +134,10 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
             if moved:
                 await redis.hset(disk_key, mapping=moved)  # type: ignore[arg-type]
             online.set(sum(1 for r in robots.values() if r.online))
-            if changed or now - last_full >= settings.inventory_every_s:
+            # A change goes out within a second (flapping links change all the time), and
+            # the whole inventory every few seconds anyway.
+            due = settings.change_every_s if changed else settings.inventory_every_s
+            if now - last_full >= due:
                 inventory = RobotInventory(
                     cluster=fleet, robots=[state_of(r) for r in robots.values()]
                 )
@@ -143,7 +147,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
                     envelope_for("RobotInventory", inventory, producer=f"executor/{fleet}"),
                 )
                 await publish_all(broker, [message])
-                last_full = now
+                last_full, changed = now, False
             await asyncio.sleep(settings.step_every_s)
 
     state: dict[str, Any] = {}

@@ -5,6 +5,8 @@ one is replaced."""
 
 from __future__ import annotations
 
+import itertools
+
 from core.serving import ReplicaState
 from schemas.job import Resources
 from schemas.serving import ReplicaReported, ServiceAction, ServiceCommand, ServiceSpec
@@ -29,20 +31,23 @@ def spec(**over: object) -> ServiceSpec:
     return ServiceSpec.model_validate({**base, **over})
 
 
+def started(book: Book, job_id: str, now: float) -> None:
+    """The replica's agent (its executor) says it runs, not ready yet."""
+    report = ReplicaReported(
+        service="chat", replica=job_id, ready=False, cluster="onprem", node=f"n-{job_id}"
+    )
+    book.report(report, now, now)
+
+
 def run_all(book: Book, now: float) -> None:
-    """Every pending replica starts and reports ready."""
+    """Every replica starts and reports ready (again: the agent reports every few seconds)."""
     for rep in list(book.replicas.values()):
-        if rep.live and rep.state is ReplicaState.PENDING:
-            book.started(rep.job_id, 0, "onprem", [f"n-{rep.job_id}"], now)
+        if rep.live:
+            started(book, rep.job_id, now)
             ready = ReplicaReported(
                 service=rep.service, replica=rep.job_id, ready=True, address=f"{rep.job_id}:80"
             )
             book.report(ready, now, now)
-
-
-def end_stopped(book: Book, now: float) -> None:
-    for rep in [r for r in book.replicas.values() if r.stopping]:
-        book.ended(rep.job_id, failed=False, now=now)
 
 
 def live(book: Book, version: str | None = None) -> list[str]:
@@ -87,7 +92,10 @@ def test_load_scales_up_at_once_and_down_after_the_quiet_window() -> None:
     assert book.services["chat"].desired == 5
     run_all(book, T0 + 3)
     # The load drops; replicas go only after the window, to 80 % headroom.
+    guaranteed = {j: book.replicas[j].guaranteed for j in live(book)}
+    stopped: set[str] = set()
     for t in range(4, 80, 5):
+        run_all(book, T0 + t)
         for job in live(book):
             book.report(
                 ReplicaReported(service="chat", replica=job, rps=2.0, latency_ms=40.0),
@@ -97,12 +105,10 @@ def test_load_scales_up_at_once_and_down_after_the_quiet_window() -> None:
         out = book.round(T0 + t)
         if t < 60:
             assert out.stop == []
+        stopped |= {job for job, _, _ in out.stop}
     assert book.services["chat"].desired == 2
-    stopped = {job for job, _, _ in out.stop} | {
-        r.job_id for r in book.replicas.values() if r.stopping
-    }
-    assert len(stopped) == 3
-    assert all(book.replicas[j].guaranteed is False for j in stopped)
+    assert len(stopped) == 3 and len(live(book)) == 2
+    assert all(guaranteed[j] is False for j in stopped)
 
 
 def test_rollout_replaces_replicas_a_few_at_a_time_and_completes() -> None:
@@ -119,7 +125,6 @@ def test_rollout_replaces_replicas_a_few_at_a_time_and_completes() -> None:
         ready = [r for r in book.replicas.values() if r.state is ReplicaState.READY and r.live]
         assert len(ready) >= 3 or not out.stop
         assert len(live(book)) <= 4
-        end_stopped(book, now)
         run_all(book, now + 1)
         now += 2
         if book.services["chat"].rollout_from is None:
@@ -138,7 +143,7 @@ def test_failing_version_rolls_back_by_itself() -> None:
     book.declare(spec(min_replicas=2, max_replicas=2, version="v2"), T0 + 10)
     out = book.round(T0 + 10)
     (new,) = [s.job_id for s in out.submit]
-    book.started(new, 0, "onprem", ["n1"], T0 + 11)
+    started(book, new, T0 + 11)
     book.ended(new, failed=True, now=T0 + 12)
     out = book.round(T0 + 12)
     rec = book.services["chat"]
@@ -219,7 +224,7 @@ def test_replicas_that_keep_failing_are_replaced_with_backoff_and_the_reason() -
             # The queue refuses it at once (e.g. a class the policy does not know).
             book.ended(job.job_id, failed=True, now=now, why="unknown_priority_class: no 'x'")
         now += 1.0
-    gaps = [b - a for a, b in zip(submitted, submitted[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(submitted)]
     assert len(submitted) <= 8, submitted  # 2, 4, 8, 16, 32, 64 s apart: not one a second
     assert gaps == sorted(gaps) and gaps[-1] >= 32, gaps
     rec = book.services["chat"]
@@ -227,10 +232,46 @@ def test_replicas_that_keep_failing_are_replaced_with_backoff_and_the_reason() -
     # One that comes up resets the backoff.
     out = book.round(now + 300)
     (job,) = out.submit
-    book.started(job.job_id, 0, "onprem", ["n1"], now + 301)
+    started(book, job.job_id, now + 301)
     book.report(
         ReplicaReported(service="chat", replica=job.job_id, ready=True, address="a:1"),
         now + 301,
         now + 301,
     )
     assert rec.failures == 0 and rec.retry_at == 0.0
+
+
+def test_a_replica_its_agent_stops_reporting_is_failed_stopped_and_replaced() -> None:
+    book = Book(silent_after_s=20)
+    book.declare(spec(min_replicas=2, max_replicas=2), T0)
+    book.round(T0)
+    run_all(book, T0)
+    first, second = live(book)
+    for t in range(1, 30):
+        # Only the second one's executor still reports it.
+        book.report(ReplicaReported(service="chat", replica=second, ready=True), T0 + t, T0 + t)
+        out = book.round(T0 + t)
+        if (first, "vision", "its agent stopped reporting it") in out.stop:
+            break
+    else:
+        raise AssertionError("the silent replica was never given up")
+    assert t == 21 and book.replicas[first].state is ReplicaState.FAILED
+    assert "not reported for 21 s" in book.services["chat"].reason
+    out = book.round(T0 + 40)  # after its backoff, a replacement
+    assert [j.job_id for j in out.submit] == ["svc-chat-3"] and not out.submit[0].preemptible
+
+
+def test_a_report_of_an_earlier_attempt_is_ignored() -> None:
+    book = Book()
+    book.declare(spec(), T0)
+    book.round(T0)
+    run_all(book, T0)
+    job = live(book)[0]
+    book.preempted(job, 0, T0 + 1)  # requeued: attempt 1 comes next
+    late = ReplicaReported(service="chat", replica=job, attempt=0, ready=True, address="old:1")
+    book.report(late, T0 + 2, T0 + 2)
+    assert book.replicas[job].state is ReplicaState.PENDING
+    fresh = ReplicaReported(service="chat", replica=job, attempt=1, ready=True, address="new:1")
+    book.report(fresh, T0 + 3, T0 + 3)
+    assert book.replicas[job].state is ReplicaState.READY
+    assert book.replicas[job].address == "new:1"
