@@ -82,6 +82,8 @@ class Capacity:
     _candidates: dict[tuple[object, ...], IntArray] = field(default_factory=dict)
     # Whether a job shape fits an idle fleet (see `core.placement`): static, so cached here.
     empty_fits: dict[tuple[object, ...], bool] = field(default_factory=dict)
+    # Spread groups (`JobRequest.spread_group`): node -> replicas of the group running there.
+    spread: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -139,6 +141,7 @@ class Capacity:
             held=self.held.copy(),
             _candidates=self._candidates,
             empty_fits=self.empty_fits,
+            spread={g: dict(on) for g, on in self.spread.items()},
         )
 
     def candidates(
@@ -309,16 +312,40 @@ class Capacity:
         """Charges running work: replicas on the devices they name first, exactly; then any
         that name none (placed before placements named devices), whole devices first so
         fractions pack onto what remains."""
+        allocations = tuple(allocations)
         replicas = [r for a in allocations for r in a.replicas if r.node_id in self.index]
         replicas.sort(key=lambda r: (not r.devices, r.accelerators < 1, -r.accelerators, r.node_id))
         for r in replicas:
             self.take(self.index[r.node_id], r.accelerators, r.cpu, r.memory_gb, r.devices)
+        for a in allocations:
+            self.count_group(a.job.spread_group, a.replicas, 1)
 
-    def release(self, replicas: Iterable[ReplicaPlacement]) -> None:
+    def release(self, replicas: Iterable[ReplicaPlacement], group: str | None = None) -> None:
+        replicas = tuple(replicas)
         for r in replicas:
             node = self.index.get(r.node_id)
             if node is not None:
                 self.give(node, r.accelerators, r.cpu, r.memory_gb, r.devices)
+        self.count_group(group, replicas, -1)
+
+    def count_group(
+        self, group: str | None, replicas: Iterable[ReplicaPlacement], sign: int
+    ) -> None:
+        """Counts (sign 1) or uncounts (-1) a spread group's replicas on their nodes."""
+        if group is None:
+            return
+        on = self.spread.setdefault(group, {})
+        for r in replicas:
+            node = self.index.get(r.node_id)
+            if node is None:
+                continue
+            left = on.get(node, 0) + sign
+            if left > 0:
+                on[node] = left
+            else:
+                on.pop(node, None)
+        if not on:
+            del self.spread[group]
 
 
 def _per_cluster(nodes: Sequence[Node], names: Sequence[ClusterId]) -> FloatArray:

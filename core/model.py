@@ -106,6 +106,9 @@ class JobRequest:
     submit_time: float
     max_runtime_s: float | None = None
     excluded_nodes: frozenset[NodeId] = frozenset()
+    # Jobs of one group are kept apart (the replicas of one inference service): placement
+    # prefers a node, rack and cluster holding fewer of the group.
+    spread_group: str | None = None
 
     @property
     def total_accelerators(self) -> float:

@@ -206,8 +206,11 @@ def _scores(
     cost_norm = cost / top_cost if top_cost > 0 else np.zeros_like(cost)
     devices = per_domain(cap.devices[idx].astype(np.float64))
     leftover = (per_domain(cap.free_total[idx]) - job.total_accelerators) / np.maximum(devices, 1)
-    # Best fit keeps whole nodes and domains free for big gangs; services spread for resilience.
-    fit = 1.0 - leftover if job.kind is WorkloadKind.INFERENCE_SERVICE else leftover
+    # Best fit keeps whole nodes and domains free for big gangs. A service's replicas in a
+    # spread group are kept apart by the group's own term below and otherwise fit best too;
+    # other service work spreads by going to the emptiest nodes.
+    emptiest = job.kind is WorkloadKind.INFERENCE_SERVICE and job.spread_group is None
+    fit = 1.0 - leftover if emptiest else leftover
     if codes is None:
         domain_cluster = cap.cluster_of[idx]
     else:
@@ -220,7 +223,38 @@ def _scores(
         + prefs.fit_weight * fit
         + prefs.availability_weight * scarcity
     )
+    if job.spread_group is not None and job.spread_group in cap.spread:
+        total = total + per_domain(_spread_penalty(cap, cap.spread[job.spread_group], idx))
     return total
+
+
+# A replica of the group already on the node outweighs any cost or fit difference (another
+# node is taken whenever one fits); sharing a rack, then a cluster, with the group's replicas
+# weighs about as much as the cost term, so spreading there is preferred but not at any price.
+SPREAD_NODE = 4.0
+SPREAD_RACK = 1.0
+SPREAD_CLUSTER = 0.5
+
+
+def _spread_penalty(cap: Capacity, on: dict[int, int], idx: IntArray) -> FloatArray:
+    """For each node in `idx`: how much of the spread group is already on it, in its rack and
+    in its cluster (shares of the group's replicas)."""
+    nodes = np.fromiter(on.keys(), dtype=np.int64, count=len(on))
+    counts = np.fromiter(on.values(), dtype=np.float64, count=len(on))
+    total = float(counts.sum())
+    racks = cap.domains[TopologyLevel.RACK]
+    rack_count = np.bincount(racks[nodes], weights=counts, minlength=int(racks.max()) + 1)
+    cluster_count = np.bincount(
+        cap.cluster_of[nodes], weights=counts, minlength=len(cap.cluster_names)
+    )
+    node_count = np.zeros(len(cap.nodes), dtype=np.float64)
+    node_count[nodes] = counts
+    penalty: FloatArray = (
+        SPREAD_NODE * node_count[idx]
+        + SPREAD_RACK * rack_count[racks[idx]] / total
+        + SPREAD_CLUSTER * cluster_count[cap.cluster_of[idx]] / total
+    )
+    return penalty
 
 
 def _fill(cap: Capacity, job: JobRequest, members: IntArray, slots: IntArray) -> Plan:
@@ -264,6 +298,7 @@ def commit(cap: Capacity, job: JobRequest, plan: Plan, now: float) -> Allocation
                     devices=devices,
                 )
             )
+    cap.count_group(job.spread_group, replicas, 1)
     return Allocation(job=job, cluster=plan.cluster, replicas=tuple(replicas), start_time=now)
 
 

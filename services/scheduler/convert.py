@@ -19,6 +19,8 @@ from core.model import (
     WorkloadKind,
 )
 from schemas.events import ClusterCapacity, JobQueued, PlacementDecided, ReplicaAssignment
+from schemas.job import WorkloadKind as JobKind
+from schemas.serving import SERVICE_LABEL
 
 
 def job_request(event: JobQueued, time_scale: float = 1.0) -> JobRequest:
@@ -45,7 +47,19 @@ def job_request(event: JobQueued, time_scale: float = 1.0) -> JobRequest:
         submit_time=event.submitted_at.timestamp() * time_scale,
         max_runtime_s=spec.max_runtime_s,
         excluded_nodes=frozenset(NodeId(n) for n in event.excluded_nodes),
+        # The replicas of one inference service are kept apart (docs/serving.md).
+        spread_group=_spread_group(event),
     )
+
+
+def _spread_group(event: JobQueued) -> str | None:
+    """A service replica's group: its tenant's service (a label alone could name another
+    tenant's service and pull its replicas around)."""
+    spec = event.spec
+    name = spec.labels.get(SERVICE_LABEL)
+    if spec.kind is not JobKind.INFERENCE_SERVICE or not name:
+        return None
+    return f"{spec.tenant}/{name}"
 
 
 def cluster_and_nodes(event: ClusterCapacity) -> tuple[Cluster, dict[NodeId, Node]]:

@@ -161,7 +161,8 @@ class WorkingSet:
 
 def differences(kept: CycleState, fresh: CycleState) -> list[str]:
     """What differs between a kept working set and one rebuilt from the same events (empty
-    when they agree): free capacity per node, and each device's use."""
+    when they agree): free capacity per node, each device's use, and where each spread group's
+    replicas run."""
     out: list[str] = []
     if set(kept.running) != set(fresh.running):
         out.append(f"running: {sorted(set(kept.running) ^ set(fresh.running))[:5]}")
@@ -182,6 +183,11 @@ def differences(kept: CycleState, fresh: CycleState) -> list[str]:
     if devices.size:
         node = kept.cap.nodes[int(devices[0])].node_id
         out.append(f"device use on {devices.size} nodes, e.g. {node}")
+    if kept.cap.spread != fresh.cap.spread:
+        groups = set(kept.cap.spread) ^ set(fresh.cap.spread) or {
+            g for g in kept.cap.spread if kept.cap.spread[g] != fresh.cap.spread.get(g)
+        }
+        out.append(f"spread groups: {sorted(groups)[:5]}")
     if kept.types_of != fresh.types_of:
         out.append("accelerator types of running jobs")
     for key in set(kept.quota.used) | set(fresh.quota.used):
