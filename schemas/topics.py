@@ -354,7 +354,7 @@ TOPICS: tuple[Topic, ...] = (
     ),
     Topic(
         ROBOT_DESIRED,
-        "robot",
+        "cluster/robot/model",
         1,
         "RobotDesired",
         robots.RobotDesired,

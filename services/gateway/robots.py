@@ -162,9 +162,11 @@ async def record_robots(
             await conn.execute(
                 "DELETE FROM gateway.deployment_history h USING (SELECT deployment, revision,"
                 " row_number() OVER (PARTITION BY deployment ORDER BY revision DESC) AS n"
-                " FROM gateway.deployment_history) old WHERE h.deployment = old.deployment"
-                " AND h.revision = old.revision AND old.n > $1",
+                " FROM gateway.deployment_history WHERE deployment = ANY($2::text[])) old"
+                " WHERE h.deployment = old.deployment AND h.revision = old.revision"
+                " AND old.n > $1",
                 HISTORY_KEPT,
+                sorted({h[0] for h in history}),
             )
     return dead
 

@@ -103,6 +103,7 @@ async def record_services(
             history.append(
                 (
                     s.service,
+                    s.tenant,
                     s.revision,
                     s.change,
                     s.reason,
@@ -124,17 +125,22 @@ async def record_services(
             )
         if history:
             await conn.executemany(
-                "INSERT INTO gateway.service_history (service, revision, change, reason,"
+                "INSERT INTO gateway.service_history (service, tenant, revision, change, reason,"
                 " version, desired_replicas, ready_replicas, at)"
-                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+                " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (service, revision)"
+                " DO UPDATE SET tenant = EXCLUDED.tenant, change = EXCLUDED.change,"
+                " reason = EXCLUDED.reason, version = EXCLUDED.version,"
+                " desired_replicas = EXCLUDED.desired_replicas,"
+                " ready_replicas = EXCLUDED.ready_replicas, at = EXCLUDED.at",
                 history,
             )
             await conn.execute(
                 "DELETE FROM gateway.service_history h USING (SELECT service, revision,"
                 " row_number() OVER (PARTITION BY service ORDER BY revision DESC) AS n"
-                " FROM gateway.service_history) old WHERE h.service = old.service"
-                " AND h.revision = old.revision AND old.n > $1",
+                " FROM gateway.service_history WHERE service = ANY($2::text[])) old"
+                " WHERE h.service = old.service AND h.revision = old.revision AND old.n > $1",
                 HISTORY_KEPT,
+                sorted({h[0] for h in history}),
             )
     return dead
 
@@ -216,8 +222,10 @@ async def get_service(name: ServiceName, gw: GatewayDep, who: PrincipalDep) -> S
     if row is None or not who.can_read(row["tenant"]):
         raise _unseen(name)
     history = await gw.pool.fetch(
-        "SELECT * FROM gateway.service_history WHERE service = $1 ORDER BY revision DESC LIMIT 50",
+        "SELECT * FROM gateway.service_history WHERE service = $1 AND tenant = $2"
+        " ORDER BY revision DESC LIMIT 50",
         name,
+        row["tenant"],
     )
     return ServiceView(
         status=ServiceStatus.model_validate_json(row["status"]),

@@ -140,19 +140,27 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
                     dead_letter(got.record, describe_validation_error(error), consumer=NAME)
                 )
         relay: OutboxRelay = state["relay"]
-        async with lock, relay.transaction() as tx:
-            fresh = await tx.claim(
-                [got.envelope.event_id for got, _ in parsed if got.record.topic in ONCE]
-            )
-            now = time.time()
-            for got, payload in parsed:
-                if got.record.topic in ONCE and got.envelope.event_id not in fresh:
-                    continue
-                apply(payload, got.envelope.occurred_at.timestamp(), now)
-            await save(tx.conn, book.dirty_services, book.dirty_replicas, book.dropped)
-            await save_deployments(tx.conn, fleets.dirty)
-            book.dirty_replicas, book.dropped = set(), set()
-            tx.emit(dead)
+        async with lock:
+            await fresh_books()
+            try:
+                async with relay.transaction() as tx:
+                    fresh = await tx.claim(
+                        [got.envelope.event_id for got, _ in parsed if got.record.topic in ONCE]
+                    )
+                    now = time.time()
+                    for got, payload in parsed:
+                        if got.record.topic in ONCE and got.envelope.event_id not in fresh:
+                            continue
+                        apply(payload, got.envelope.occurred_at.timestamp(), now)
+                    await save(tx.conn, book.dirty_services, book.dirty_replicas, book.dropped)
+                    await save_deployments(tx.conn, fleets.dirty)
+                    book.dirty_replicas, book.dropped = set(), set()
+                    tx.emit(dead)
+            except BaseException:
+                # What was applied in memory did not become durable: the books are read
+                # again before anything else, and the batch is retried on them.
+                state["stale"] = True
+                raise
 
     def apply(payload: BaseModel, at: float, now: float) -> None:
         if isinstance(payload, ServiceDeclared):
@@ -170,7 +178,8 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
         elif isinstance(payload, JobPreempted):
             book.preempted(payload.job_id, payload.attempt, now)
         elif isinstance(payload, RunFailed):
-            book.ended(payload.job_id, failed=True, now=now, why=payload.message)
+            why = payload.message
+            book.ended(payload.job_id, failed=True, now=now, why=why, attempt=payload.attempt)
         elif isinstance(payload, JobCancelRequested) and payload.requested_by != NAME:
             # Someone stopped a replica by hand: it goes, and a new one takes its place.
             book.ended(payload.job_id, failed=False, now=now)
@@ -178,7 +187,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             why = f"{payload.reason_code.value}: {payload.message}"
             book.ended(payload.job_id, failed=True, now=now, why=why)
         elif isinstance(payload, RobotInventory):
-            fleets.inventory(payload)
+            fleets.inventory(payload, now)
         elif isinstance(payload, DeploymentDeclared):
             try:
                 fleets.declare(payload.spec, now)
@@ -238,6 +247,33 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
         if gone:
             await conn.execute("DELETE FROM serving.replicas WHERE job_id = ANY($1::text[])", gone)
 
+    async def load_books() -> None:
+        """The books as stored (what load reports, inventories and liveness say is kept)."""
+        pool = state["pool"]
+        services = [
+            ServiceRecord.from_json(json.loads(r["record"]))
+            for r in await pool.fetch("SELECT record FROM serving.services")
+        ]
+        replicas = [
+            ReplicaRecord.from_json(json.loads(r["record"]))
+            for r in await pool.fetch("SELECT record FROM serving.replicas")
+        ]
+        records = [
+            DeploymentRecord.from_json(json.loads(r["record"]))
+            for r in await pool.fetch("SELECT record FROM serving.deployments")
+        ]
+        book.services = {rec.name: rec for rec in services}
+        book.replicas = {rep.job_id: rep for rep in replicas}
+        book.dirty_services, book.dirty_replicas, book.dropped = set(), set(), set()
+        fleets.records = {d.spec.name: d for d in records}
+        fleets.dirty = set()
+        state["stale"] = False
+
+    async def fresh_books() -> None:
+        if state.get("stale"):
+            await load_books()
+            log.warning("books read again after a failed write")
+
     async def save_deployments(conn: Any, names: set[str]) -> None:
         rows = [
             (n, fleets.records[n].spec.tenant, json.dumps(fleets.records[n].to_json()))
@@ -265,6 +301,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             return  # frozen past the lease: a successor may be deciding
         relay: OutboxRelay = state["relay"]
         async with lock:
+            await fresh_books()
             now = time.time()
             out = book.round(now)
             robots = fleets.round(now)
@@ -272,12 +309,18 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             changed = out.changed_services or out.changed_replicas or out.dropped_replicas
             if not (messages or changed or robots.changed):
                 return
-            async with relay.transaction() as tx:
-                tx.emit(messages)
-                await save(
-                    tx.conn, out.changed_services, out.changed_replicas, out.dropped_replicas
-                )
-                await save_deployments(tx.conn, robots.changed)
+            try:
+                async with relay.transaction() as tx:
+                    tx.emit(messages)
+                    await save(
+                        tx.conn, out.changed_services, out.changed_replicas, out.dropped_replicas
+                    )
+                    await save_deployments(tx.conn, robots.changed)
+            except BaseException:
+                # The round's submissions and stops were not sent: forget it (the books are
+                # read again) and decide afresh next round.
+                state["stale"] = True
+                raise
         metrics.started.inc(len(out.submit))
         metrics.stopped.inc(len(out.stop))
         metrics.services.set(sum(1 for s in book.services.values() if not s.deleted))
@@ -316,15 +359,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             runtime, broker, consumers, schema=NAME, migrations=MIGRATIONS
         )
         state["relay"], state["pool"] = relay, pool
-        for r in await pool.fetch("SELECT record FROM serving.services"):
-            rec = ServiceRecord.from_json(json.loads(r["record"]))
-            book.services[rec.name] = rec
-        for r in await pool.fetch("SELECT record FROM serving.deployments"):
-            d = DeploymentRecord.from_json(json.loads(r["record"]))
-            fleets.records[d.spec.name] = d
-        for r in await pool.fetch("SELECT record FROM serving.replicas"):
-            rep = ReplicaRecord.from_json(json.loads(r["record"]))
-            book.replicas[rep.job_id] = rep
+        await load_books()
         runtime.background(decide_loop)
         await broker.start()
         log.info("serving started", services=len(book.services), replicas=len(book.replicas))
@@ -373,7 +408,7 @@ def _fleet_messages(out: FleetRound) -> list[OutMessage]:
     messages = [
         OutMessage(
             topics.ROBOT_DESIRED,
-            d.robot,
+            f"{d.cluster}/{d.robot}/{d.model}",  # the state is per robot and model
             envelope_for("RobotDesired", d, producer=NAME),
         )
         for d in out.desired

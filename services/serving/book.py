@@ -103,6 +103,7 @@ class ServiceRecord:
     # Replicas failed since one was last ready, and no replacement before `retry_at`.
     failures: int = 0
     retry_at: float = 0.0
+    last_failed_at: float = 0.0
     # What the last published status held (not the time): publish only on change.
     published: str = ""
 
@@ -194,7 +195,9 @@ class Book:
             return
         rec.revision += 1
         if old.version != spec.version:
-            if rec.rollout_from is None:
+            # The version to come back to is the last one known good: what runs when steady,
+            # or what a roll-back (or undo) is returning to; not a version being rolled out.
+            if rec.rollout_from is None or rec.rolling_back:
                 rec.previous = old
             rec.rollout_from = old.version
             rec.rollout_started_at = now
@@ -240,7 +243,7 @@ class Book:
         elif cmd.action is ServiceAction.UNDO:
             if rec.previous is None:
                 raise Refused("no previous version to go back to")
-            self._reverse(rec, now, f"undone by {cmd.requested_by}", back=False)
+            self._reverse(rec, now, f"undone by {cmd.requested_by}", back=True)
             rec.change = "rollout_undone"
         elif cmd.action is ServiceAction.DELETE:
             rec.deleted = True
@@ -302,18 +305,24 @@ class Book:
         rep.address = rep.cluster = rep.node = None
         self.dirty_replicas.add(job_id)
 
-    def ended(self, job_id: str, failed: bool, now: float, why: str = "") -> None:
+    def ended(
+        self, job_id: str, failed: bool, now: float, why: str = "", attempt: int | None = None
+    ) -> None:
         """The job ended: a failure is remembered (a rollout judges it; replacements back
-        off), anything else goes."""
+        off), anything else goes. The end of an earlier attempt (one since requeued) is not
+        this run's."""
         rep = self.replicas.get(job_id)
-        if rep is None:
+        if rep is None or (attempt is not None and attempt < rep.attempt):
             return
         if failed and not rep.stopping:
             if rep.state is not ReplicaState.FAILED:
                 rec = self.services.get(rep.service)
                 if rec is not None:
-                    rec.failures += 1
-                    rec.retry_at = now + min(2.0**rec.failures, BACKOFF_MAX_S)
+                    # Replicas failing together (a node, an outage) count once.
+                    if now - rec.last_failed_at >= 1.0:
+                        rec.failures += 1
+                    rec.last_failed_at = now
+                    rec.retry_at = now + min(2.0 ** min(rec.failures, 16), BACKOFF_MAX_S)
                     rec.change = "replica_failed"
                     rec.reason = f"replica {job_id} of {rep.version} failed" + (
                         f": {why}" if why else ""
@@ -339,6 +348,7 @@ class Book:
         for name, rec in self.services.items():
             mine = by_service.get(name, [])
             before = (rec.revision, len(out.submit), len(out.stop))
+            first_new = len(out.submit)
             if rec.deleted:
                 self._stop(out, rec, [r for r in mine if not r.stopping], "service deleted")
             else:
@@ -350,7 +360,8 @@ class Book:
                 self._forget_failures(out, rec, mine, now)
             if (rec.revision, len(out.submit), len(out.stop)) != before:
                 out.changed_services.add(name)
-            status = self.status(rec)
+            members = {r.job_id for r in mine} | {j.job_id or "" for j in out.submit[first_new:]}
+            status = self.status(rec, [self.replicas[j] for j in members if j in self.replicas])
             key = status.model_dump_json(exclude={"reason", "change", "revision"})
             if key != rec.published or name in self.dirty_services:
                 rec.published = key
@@ -368,6 +379,9 @@ class Book:
         (its node or executor went away, or its job ended unseen) and stopped."""
         if self.since_start is None:
             self.since_start = now
+        newest = max(self.heard.values(), default=self.since_start)
+        if now - newest > self.silent_after_s:
+            return  # nothing heard at all: our intake is stalled (or every agent), not them
         for rep in list(self.replicas.values()):
             if not rep.live or rep.state is ReplicaState.PENDING:
                 continue
@@ -409,24 +423,30 @@ class Book:
         if missing > 0:
             self._start(out, rec, current, missing, rec.spec, now)
         elif missing < 0:
-            # Stop the least useful first: waiting, then starting, then ready; replicas above
-            # the minimum before guaranteed ones; the newest first.
-            order = sorted(
-                current,
-                key=lambda r: (
-                    r.state is ReplicaState.READY,
-                    r.state is ReplicaState.STARTING,
-                    r.guaranteed,
-                    -r.since,
-                ),
-            )
-            self._stop(out, rec, order[:-missing], f"scaled to {rec.desired}")
+            self._stop(out, rec, _least_useful(current)[:-missing], f"scaled to {rec.desired}")
+
+    def _hold(
+        self, out: RoundOut, rec: ServiceRecord, mine: list[ReplicaRecord], now: float
+    ) -> None:
+        """A paused update keeps the count (scaling, replacing lost replicas) without moving
+        on: what it adds runs the version it updates from, as before the update."""
+        live = [r for r in mine if r.live]
+        missing = rec.desired - len(live)
+        if missing > 0:
+            template = rec.spec
+            if rec.previous is not None and rec.previous.version == rec.rollout_from:
+                template = rec.previous
+            current = [r for r in live if r.version == template.version]
+            self._start(out, rec, current, missing, template, now)
+        elif missing < 0:
+            self._stop(out, rec, _least_useful(live)[:-missing], f"scaled to {rec.desired}")
 
     def _roll(
         self, out: RoundOut, rec: ServiceRecord, mine: list[ReplicaRecord], now: float
     ) -> None:
         assert rec.rollout_from is not None and rec.rollout_started_at is not None
         if rec.paused:
+            self._hold(out, rec, mine, now)
             return
         s = rec.spec
         spec = RolloutSpec(
@@ -447,8 +467,13 @@ class Book:
         if step.phase is RolloutPhase.ROLLING_BACK:
             self._stop(out, rec, doomed, step.reason)
             if rec.rolling_back or rec.previous is None:
-                # The way back fails too: keep replacing; say why.
-                rec.reason = f"rolling back, and {step.reason}"
+                # The way back fails too: the update ends here, on the version returned to;
+                # its replicas are replaced as they fail (with backoff), and it says why.
+                rec.change = "rollback_failed"
+                rec.reason = f"rolling back to {rec.spec.version}, and {step.reason}"
+                rec.rollout_from = rec.rollout_started_at = None
+                rec.rolling_back = False
+                rec.revision += 1
                 return
             self._reverse(rec, now, f"rolled back by itself: {step.reason}", back=True)
             rec.failures, rec.retry_at = 0, 0.0  # the old version starts at once
@@ -508,10 +533,14 @@ class Book:
         self, out: RoundOut, rec: ServiceRecord, mine: list[ReplicaRecord], now: float
     ) -> None:
         """A failed replica's job has ended: drop it once no rollout can need it."""
+        started = rec.rollout_started_at
         for r in mine:
-            if r.state is ReplicaState.FAILED and (
-                rec.rollout_from is None and now - r.since > FAILED_KEPT_S
-            ):
+            if r.state is not ReplicaState.FAILED or r.job_id not in self.replicas:
+                continue
+            steady_old = rec.rollout_from is None and now - r.since > FAILED_KEPT_S
+            # A failure from before the update under way is no evidence about it.
+            before_update = started is not None and r.since < started
+            if steady_old or before_update:
                 del self.replicas[r.job_id]
                 out.dropped_replicas.add(r.job_id)
 
@@ -524,11 +553,13 @@ class Book:
 
     # What it shows ------------------------------------------------------------------------------
 
-    def status(self, rec: ServiceRecord) -> ServiceStatus:
-        mine = sorted(
-            (r for r in self.replicas.values() if r.service == rec.name and not r.stopping),
-            key=lambda r: r.job_id,
-        )
+    def status(
+        self, rec: ServiceRecord, replicas: list[ReplicaRecord] | None = None
+    ) -> ServiceStatus:
+        """The service's status; `replicas` are its replicas (all of the book's otherwise)."""
+        if replicas is None:
+            replicas = [r for r in self.replicas.values() if r.service == rec.name]
+        mine = sorted((r for r in replicas if not r.stopping), key=lambda r: r.job_id)
         if rec.deleted:
             phase = ServicePhase.DELETED
         elif rec.rollout_from is None:
@@ -577,3 +608,17 @@ class Book:
 
 def _at(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, UTC)
+
+
+def _least_useful(replicas: list[ReplicaRecord]) -> list[ReplicaRecord]:
+    """The order to stop replicas in: above the minimum before guaranteed ones (the
+    guarantee holds), then waiting, then starting, then ready; the newest first."""
+    return sorted(
+        replicas,
+        key=lambda r: (
+            r.guaranteed,
+            r.state is ReplicaState.READY,
+            r.state is ReplicaState.STARTING,
+            -r.since,
+        ),
+    )

@@ -77,15 +77,31 @@ class Deployments:
     """`time_scale`: fleet seconds per wall second (a deployment's soak time is in fleet
     seconds; the book runs on the wall clock)."""
 
-    def __init__(self, time_scale: float = 1.0) -> None:
+    def __init__(self, time_scale: float = 1.0, stale_after_s: float = 30.0) -> None:
         self.time_scale = time_scale
+        self.stale_after_s = stale_after_s
         self.records: dict[str, DeploymentRecord] = {}
         # The newest inventory of each robot fleet (not kept: the next one comes in seconds).
         self.inventories: dict[str, RobotInventory] = {}
+        self.received: dict[str, float] = {}
         self.dirty: set[str] = set()
 
     def declare(self, spec: RobotDeploymentSpec, now: float) -> None:
         rec = self.records.get(spec.name)
+        other = next(
+            (
+                r
+                for r in self.records.values()
+                if r.spec.model == spec.model and r.spec.name != spec.name
+            ),
+            None,
+        )
+        if other is not None:
+            # Two deployments of one model would tell the same robots different versions.
+            raise Refused(
+                f"model {spec.model} is deployed by {other.spec.name!r}: deploy its new "
+                "versions there"
+            )
         if rec is None:
             self.records[spec.name] = DeploymentRecord(
                 spec=spec, started_at=now, reason=f"deploying {spec.model} {spec.version}"
@@ -138,8 +154,9 @@ class Deployments:
         rec.revision += 1
         self.dirty.add(rec.spec.name)
 
-    def inventory(self, inv: RobotInventory) -> None:
+    def inventory(self, inv: RobotInventory, at: float) -> None:
         self.inventories[inv.cluster] = inv
+        self.received[inv.cluster] = at
 
     def _selected(self, spec: RobotDeploymentSpec) -> dict[str, tuple[str, RobotState]]:
         out: dict[str, tuple[str, RobotState]] = {}
@@ -178,11 +195,26 @@ class Deployments:
                 for h in state.health
                 if h.model == model
             ]
-            want = self._desired(rec, robots, health, now)
+            stale = self._stale(selected, now)
+            if stale:
+                if rec.reason != stale:
+                    rec.reason = stale
+                    self.dirty.add(name)
+                want = None
+            else:
+                want = self._desired(rec, robots, health, now)
             if want is not None:
+                back = rec.phase is DeploymentPhase.ROLLED_BACK
                 for robot_id, version in sorted(want.items()):
                     if not version or robot_id not in selected or rec.sent.get(robot_id) == version:
                         continue
+                    told = rec.sent.get(robot_id)
+                    if version != rec.spec.version and robot_id not in rec.pins and not back:
+                        # Only a roll-back sends a robot back: a robot not reached keeps what
+                        # it runs (also one a superseded rollout had reached).
+                        continue
+                    if back and told is None:
+                        continue  # never told anything by this deployment: left alone
                     cluster = selected[robot_id][0]
                     source = rec.spec if version == rec.spec.version else rec.previous
                     out.desired.append(
@@ -207,6 +239,15 @@ class Deployments:
         self.dirty = set()
         return out
 
+    def _stale(self, selected: dict[str, tuple[str, RobotState]], now: float) -> str:
+        """Why the robots' state cannot be trusted now ('' when it can): a fleet's inventory
+        is too old (its edge executor is away); the deployment holds until it is back."""
+        for cluster in sorted({c for c, _ in selected.values()}):
+            age = now - self.received.get(cluster, now)
+            if age > self.stale_after_s:
+                return f"holding: the inventory of fleet {cluster} is {age:.0f} s old"
+        return ""
+
     def _desired(
         self,
         rec: DeploymentRecord,
@@ -216,11 +257,14 @@ class Deployments:
     ) -> dict[str, str] | None:
         """The version per robot now, or None to leave what was sent as it is (paused)."""
         previous = rec.previous.version if rec.previous is not None else ""
-        if rec.phase is DeploymentPhase.PAUSED:
-            return None
         if rec.phase is DeploymentPhase.ROLLED_BACK:
             back = {r.robot_id: previous for r in robots}
             return {**back, **rec.pins}
+        if rec.phase is DeploymentPhase.DONE:
+            # A finished rollout gates nothing more: every robot selected (one added since,
+            # one that was away) runs the version.
+            done = {r.robot_id: rec.spec.version for r in robots}
+            return {**done, **rec.pins}
         if not robots:
             rec.reason = "no robot matches the selection (yet)"
             return None
@@ -230,6 +274,7 @@ class Deployments:
         if rec.waves is None:
             rec.waves = waves_of(spec, robots)
             self.dirty.add(rec.spec.name)
+        paused = rec.phase is DeploymentPhase.PAUSED
         result = rollout_robots(
             spec,
             rec.spec.version,
@@ -241,6 +286,8 @@ class Deployments:
             reached_before=rec.reached,
             waves=rec.waves,
         )
+        if paused and result.state is not RolloutState.ROLLED_BACK:
+            return None  # no further wave; a failed gate still rolls back
         if result.wave > rec.reached:
             rec.revision += 1  # each wave reached is a step in the history
         if result.wave != rec.reached or result.reason != rec.reason:
@@ -255,7 +302,7 @@ class Deployments:
             self.dirty.add(rec.spec.name)
             if rec.previous is None:
                 rec.reason += "; no previous version: the robots reached keep what they run"
-        elif result.state is RolloutState.DONE and rec.phase is not DeploymentPhase.DONE:
+        elif result.state is RolloutState.DONE:
             rec.phase = DeploymentPhase.DONE
             rec.revision += 1
             self.dirty.add(rec.spec.name)

@@ -275,3 +275,110 @@ def test_a_report_of_an_earlier_attempt_is_ignored() -> None:
     book.report(fresh, T0 + 3, T0 + 3)
     assert book.replicas[job].state is ReplicaState.READY
     assert book.replicas[job].address == "new:1"
+
+
+def roll_to(book: Book, version: str, now: float, **over: object) -> None:
+    book.declare(spec(min_replicas=2, max_replicas=2, version=version, **over), now)
+
+
+def fail_new(book: Book, version: str, now: float) -> None:
+    for rep in list(book.replicas.values()):
+        if rep.live and rep.version == version:
+            started(book, rep.job_id, now)
+            book.ended(rep.job_id, failed=True, now=now)
+
+
+def test_a_failure_on_the_way_back_does_not_wedge_the_service() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=2, max_replicas=2), T0)
+    book.round(T0)
+    run_all(book, T0)
+    book.round(T0)
+    roll_to(book, "v2", T0 + 10)
+    book.round(T0 + 10)
+    fail_new(book, "v2", T0 + 11)
+    book.round(T0 + 11)  # rolls back to v1
+    rec = book.services["chat"]
+    assert rec.rolling_back and rec.spec.version == "v1"
+    # On the way back a v1 replica fails too (a node, a fluke).
+    v1 = [r for r in book.replicas.values() if r.live and r.version == "v1"]
+    book.ended(v1[0].job_id, failed=True, now=T0 + 12)
+    now = T0 + 12
+    for _ in range(400):
+        book.round(now)
+        run_all(book, now)
+        now += 1
+    assert rec.rollout_from is None
+    assert len(live(book, "v1")) == 2 and live(book, "v2") == []
+    ready = [r for r in book.replicas.values() if r.live and r.state is ReplicaState.READY]
+    assert len(ready) == 2 and all(r.guaranteed for r in ready)
+
+
+def test_a_new_version_declared_during_a_roll_back_returns_to_the_good_one() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=2, max_replicas=2), T0)
+    book.round(T0)
+    run_all(book, T0)
+    roll_to(book, "v2", T0 + 10)
+    book.round(T0 + 10)
+    fail_new(book, "v2", T0 + 11)
+    book.round(T0 + 11)
+    assert book.services["chat"].rolling_back
+    roll_to(book, "v3", T0 + 12)
+    assert book.services["chat"].previous is not None
+    assert book.services["chat"].previous.version == "v1"  # not the failed v2
+
+
+def test_a_paused_update_still_replaces_and_scales_with_the_old_version() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=2, max_replicas=4), T0)
+    book.round(T0)
+    run_all(book, T0)
+    book.declare(spec(min_replicas=2, max_replicas=4, version="v2"), T0 + 1)
+    book.command(
+        ServiceCommand(service="chat", tenant="vision", action=ServiceAction.PAUSE), T0 + 1
+    )
+    old = live(book, "v1")
+    book.ended(old[0], failed=True, now=T0 + 2)
+    out = book.round(T0 + 10)
+    assert [(j.labels["qm_version"], j.preemptible) for j in out.submit] == [("v1", False)]
+
+
+def test_scaling_down_keeps_the_guaranteed_minimum() -> None:
+    book = Book()
+    book.declare(spec(min_replicas=2, max_replicas=4), T0)
+    book.round(T0)
+    run_all(book, T0)
+    book.command(
+        ServiceCommand(service="chat", tenant="vision", action=ServiceAction.SCALE, min_replicas=4),
+        T0 + 1,
+    )
+    book.round(T0 + 1)  # two more guaranteed replicas
+    run_all(book, T0 + 2)
+    book.command(
+        ServiceCommand(service="chat", tenant="vision", action=ServiceAction.SCALE, min_replicas=2),
+        T0 + 3,
+    )
+    # Load calls for 3: one goes, and the two guaranteed of the minimum stay guaranteed.
+    book.services["chat"].desired = 3
+    out = book.round(T0 + 3)
+    assert len(out.stop) == 1
+    assert sum(1 for r in book.replicas.values() if r.live and r.guaranteed) >= 2
+
+
+def test_replicas_failing_together_count_once_and_the_backoff_never_overflows() -> None:
+    book = Book(silent_after_s=20)
+    book.declare(spec(min_replicas=10, max_replicas=10), T0)
+    book.round(T0)
+    run_all(book, T0)
+    for job in live(book):
+        book.ended(job, failed=True, now=T0 + 1)
+    rec = book.services["chat"]
+    assert rec.failures == 1 and rec.retry_at == T0 + 3
+    # Refused for days on end: the count grows, the wait stays at the cap (2.0 ** 5000 would
+    # raise OverflowError).
+    rec.failures = 5000
+    out = book.round(T0 + 400)
+    (job,) = out.submit[:1]
+    book.ended(job.job_id, failed=True, now=T0 + 401)
+    assert rec.failures == 5001 and rec.retry_at == T0 + 401 + 300

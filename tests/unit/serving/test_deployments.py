@@ -14,7 +14,7 @@ from schemas.robots import (
     RobotSelector,
 )
 from services.executor.edge.robots import Desired, FleetConfig, SimRobot, state_of, step
-from services.serving.deployments import Deployments
+from services.serving.deployments import Deployments, Refused
 
 T0 = 1_000_000.0
 CONFIG = FleetConfig(install_s=2.0)
@@ -55,7 +55,8 @@ class Loop:
         for r in self.robots:
             step(r, self.desired[r.robot], CONFIG, self.now, 1.0)
         self.book.inventory(
-            RobotInventory(cluster="robots", robots=[state_of(r) for r in self.robots])
+            RobotInventory(cluster="robots", robots=[state_of(r) for r in self.robots]),
+            self.now,
         )
         out = self.book.round(self.now)
         for d in out.desired:
@@ -142,3 +143,61 @@ def test_a_paused_deployment_opens_no_wave_until_resumed() -> None:
     loop.book.command(resume, loop.now)
     loop.run(40)
     assert loop.running("v1") == 20
+
+
+def test_a_finished_rollout_rolls_nothing_back_later() -> None:
+    loop = Loop(fleet())
+    loop.book.declare(spec("v1"), loop.now)
+    loop.run(40)
+    loop.book.declare(spec("v2"), loop.now)
+    loop.run(40)
+    assert loop.book.records["nav"].phase is DeploymentPhase.DONE
+    loop.robots[4].sick = True  # an hour later, one robot is unwell
+    loop.run(10)
+    assert loop.book.records["nav"].phase is DeploymentPhase.DONE
+    assert loop.running("v2") == 20
+
+
+def test_a_new_version_mid_rollout_sends_no_robot_back() -> None:
+    loop = Loop(fleet())
+    loop.book.declare(spec("v1"), loop.now)
+    loop.run(40)
+    loop.book.declare(spec("v2"), loop.now)
+    loop.run(9)  # the canary and the next wave run v2
+    on_v2 = {r.robot for r in loop.robots if r.running.get("nav-policy") == "v2"}
+    assert 2 <= len(on_v2) < 20
+    on_v1 = {r.robot for r in loop.robots if r.running.get("nav-policy") == "v1"}
+    loop.published.clear()
+    loop.book.declare(spec("v3"), loop.now)
+    loop.run(3)
+    assert all(v == "v3" for _, v in loop.published), loop.published
+    # Nobody went back to v1.
+    assert {r.robot for r in loop.robots if r.running.get("nav-policy") == "v1"} <= on_v1
+
+
+def test_robots_never_told_by_a_deployment_are_left_alone_by_its_roll_back() -> None:
+    robots = fleet()
+    loop = Loop(robots)
+    loop.book.declare(spec("v1", to=RobotSelector(robots=["lab-a-000", "lab-a-001"])), loop.now)
+    loop.run(20)
+    loop.book.declare(spec("v2", labels={"sim_health": "failed"}), loop.now)  # now every robot
+    loop.run(20)
+    assert loop.book.records["nav"].phase is DeploymentPhase.ROLLED_BACK
+    told_v1 = {robot for robot, v in loop.published if v == "v1"}
+    assert told_v1 == {"lab-a-000", "lab-a-001"}
+    assert all(not r.running for r in robots[2:])  # never ran this model, never told to
+
+
+def test_one_model_is_deployed_by_one_deployment_and_stale_inventories_hold() -> None:
+    loop = Loop(fleet())
+    loop.book.declare(spec("v1"), loop.now)
+    try:
+        loop.book.declare(spec("v9", name="intruder", tenant="nlp"), loop.now)
+        raise AssertionError("a second deployment of the model was accepted")
+    except Refused as error:
+        assert "deployed by 'nav'" in str(error)
+    loop.run(2)
+    # The edge executor goes away: its last inventory is trusted 30 s, then the rollout holds.
+    book, now = loop.book, loop.now + 31
+    out = book.round(now)
+    assert out.desired == [] and book.records["nav"].reason.startswith("holding")
