@@ -218,6 +218,17 @@ async def declare_deployment(
         raise HTTPException(
             409, detail=f"deployment {spec.name!r} deploys another model; pick another name"
         )
+    other = await gw.pool.fetchval(
+        "SELECT name FROM gateway.deployments WHERE status->>'model' = $1 AND name <> $2",
+        spec.model,
+        spec.name,
+    )
+    if other is not None:
+        raise HTTPException(
+            409,
+            detail=f"model {spec.model} is deployed by deployment {other!r}: deploy its new "
+            "versions there",
+        )
     declared = DeploymentDeclared(spec=spec, declared_by=who.tenant)
     env = envelope_for("DeploymentDeclared", declared, producer="gateway", tenant=tenant)
     await publish_command(gw, OutMessage(topics.DEPLOYMENT_DECLARED, spec.name, env))

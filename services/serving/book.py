@@ -334,6 +334,7 @@ class Book:
             self.dirty_replicas.add(job_id)
             return
         del self.replicas[job_id]
+        self.heard.pop(job_id, None)
         self.dropped.add(job_id)
         self.dirty_replicas.discard(job_id)
 
@@ -542,6 +543,7 @@ class Book:
             before_update = started is not None and r.since < started
             if steady_old or before_update:
                 del self.replicas[r.job_id]
+                self.heard.pop(r.job_id, None)
                 out.dropped_replicas.add(r.job_id)
 
     def _trim_reports(self, now: float) -> None:
