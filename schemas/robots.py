@@ -20,7 +20,9 @@ from pydantic import Field, model_validator
 from schemas.bounds import MAX_LABELS, Identifier, Name, Text
 from schemas.events import Payload
 
-MAX_ROBOTS = 5000  # per fleet (one inventory record holds them all)
+# Per fleet: one inventory record holds them all, and must stay under the record limit
+# (1 MiB; a robot is about 300 bytes with two models). A bigger fleet is split in several.
+MAX_ROBOTS = 2000
 RobotId = Annotated[
     str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 ]

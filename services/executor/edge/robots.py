@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from schemas.robots import ModelHealth, RobotState
+from schemas.robots import MAX_ROBOTS, ModelHealth, RobotState
 
 HEALTH_LABEL = "sim_health"
 INSTALL_LABEL = "sim_install_s"
@@ -108,6 +108,11 @@ def load_robot_fleet(doc: Mapping[str, Any], name: str) -> tuple[list[SimRobot],
                         phase=_unit(robot_id),
                     )
                 )
+        if len(robots) > MAX_ROBOTS:
+            raise RobotFleetError(
+                f"robot_fleets[{name}]: {len(robots)} robots; a fleet holds at most "
+                f"{MAX_ROBOTS} (split it into several fleets)"
+            )
         config = FleetConfig(
             flap_period_s=float(raw.get("flap_period_s", 600.0)),
             offline_share=float(raw.get("offline_share", 0.3)),

@@ -34,6 +34,9 @@ def test_a_bad_fleet_is_refused_with_where() -> None:
     doc = {"robot_fleets": [{"name": "r", "sites": [{"site": "x", "count": "many"}]}]}
     with pytest.raises(RobotFleetError, match=r"sites\[0\]"):
         load_robot_fleet(doc, "r")
+    huge = {"robot_fleets": [{"name": "r", "sites": [{"site": "x", "count": 5000}]}]}
+    with pytest.raises(RobotFleetError, match="split it"):
+        load_robot_fleet(huge, "r")
 
 
 def test_a_flaky_link_follows_its_schedule_and_a_steady_one_stays_up() -> None:
