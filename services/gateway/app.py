@@ -68,18 +68,22 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         *pools.POOL_TOPICS, group_id=f"{settings.group_id}-pools", handle=pool_views
     )
 
-    async def service_views(records: Records) -> None:
-        await consumers.publish(await serving.record_services(app.state.gateway.pool, records))
+    async def serving_views(records: Records) -> None:
+        # Services, robots and deployments: one consumer, polled gently (nobody waits on
+        # these views within milliseconds; every consumer polling costs the broker).
+        pool = app.state.gateway.pool
+        services = tuple(r for r in records if r.topic in serving.SERVICE_TOPICS)
+        fleets = tuple(r for r in records if r.topic not in serving.SERVICE_TOPICS)
+        dead = await serving.record_services(pool, services) if services else []
+        dead += await robots.record_robots(pool, fleets) if fleets else []
+        await consumers.publish(dead)
 
     consumers.subscribe(
-        *serving.SERVICE_TOPICS, group_id=f"{settings.group_id}-services", handle=service_views
-    )
-
-    async def robot_views(records: Records) -> None:
-        await consumers.publish(await robots.record_robots(app.state.gateway.pool, records))
-
-    consumers.subscribe(
-        *robots.ROBOT_TOPICS, group_id=f"{settings.group_id}-robots", handle=robot_views
+        *serving.SERVICE_TOPICS,
+        *robots.ROBOT_TOPICS,
+        group_id=f"{settings.group_id}-serving",
+        handle=serving_views,
+        fetch_max_wait_ms=200,
     )
     consumers.subscribe(*PROJECTED, group_id=settings.group_id, handle=handle)
 

@@ -92,7 +92,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.kafka_bootstrap,
             enable_auto_commit=False,
-            fetch_max_wait_ms=100,
+            fetch_max_wait_ms=250,
         )
         await consumer.start()
         try:
