@@ -74,9 +74,15 @@ async def test_a_robot_rollout_goes_in_waves_waits_for_the_offline_and_rolls_bac
         r = await client.post("/v1/deployments", json=deploy("v1"), headers=VISION)
         assert r.status_code == 202, r.text
 
-        # Part-way through, the edge executor restarts: it reads the desired state again.
+        # Part-way through, the edge executor is killed and started again: it reads the
+        # desired state from the log again.
         await wait_until(client, "/v1/deployments/e2e-nav", lambda b: b["status"]["wave"] >= 2)
+        assert edge.process is not None
+        old_pid = edge.pid
+        edge.process.kill()
+        edge.process.wait(timeout=30)
         await asyncio.to_thread(qm_stack.restart, edge)
+        assert edge.pid != old_pid and edge.running()
 
         view = await wait_until(
             client, "/v1/deployments/e2e-nav", lambda b: b["status"]["phase"] == "done"

@@ -62,6 +62,8 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
     robots: dict[str, SimRobot] = {r.robot: r for r in robots_list}
     desired: dict[str, dict[str, Desired]] = {r: {} for r in robots}
     disk_key = f"qm:edge:{fleet}:running"
+    # Injected faults stand until lifted, also across a restart of this process.
+    faults_key = f"qm:edge:{fleet}:faults"
     online = Gauge("qm_edge_robots_online", "Robots whose link is up", registry=runtime.registry)
     switches = Counter(
         "qm_edge_version_switches",
@@ -161,6 +163,11 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
             robot = robots.get(key.decode() if isinstance(key, bytes) else key)
             if robot is not None:
                 robot.running = dict(json.loads(value))
+        for key, value in (await redis.hgetall(faults_key)).items():
+            robot = robots.get(key.decode() if isinstance(key, bytes) else key)
+            if robot is not None:
+                fault = json.loads(value)
+                robot.link_down, robot.sick = bool(fault["link_down"]), bool(fault["sick"])
         await broker.connect()
         runtime.background(read_desired)
         runtime.background(run_robots)
@@ -183,7 +190,11 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
             robot.link_down = fault.link == "offline"
         if fault.health is not None:
             robot.sick = fault.health == "unhealthy"
-        return {"robot": robot.robot, "link_down": robot.link_down, "sick": robot.sick}
+        state_now = {"link_down": robot.link_down, "sick": robot.sick}
+        redis = state.get("redis")
+        if redis is not None:  # started (the HTTP app alone takes faults in memory only)
+            await redis.hset(faults_key, robot.robot, json.dumps(state_now))
+        return {"robot": robot.robot, **state_now}
 
     app.include_router(faults)
     app.state.runtime = runtime
