@@ -134,8 +134,12 @@ class LogReader:
         return self.events
 
 
-async def every_record(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    """Every JSON record on `topic` up to its high watermark now, duplicates included."""
+async def every_record(
+    bootstrap: str, topic: str, *, skip_unreadable: bool = False
+) -> list[dict[str, Any]]:
+    """Every JSON record on `topic` up to its high watermark now, duplicates included; with
+    `skip_unreadable`, records that are not a JSON object (other tests' poison on a shared
+    broker) are left out instead of failing."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
@@ -145,7 +149,15 @@ async def every_record(bootstrap: str, topic: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         while True:
             for records in (await consumer.getmany(timeout_ms=500)).values():
-                out += [json.loads(r.value) for r in records]
+                for r in records:
+                    try:
+                        doc = json.loads(r.value)
+                    except ValueError:
+                        if not skip_unreadable:
+                            raise
+                        continue
+                    if isinstance(doc, dict) or not skip_unreadable:
+                        out.append(doc)
             marks = [(await consumer.position(tp), consumer.highwater(tp)) for tp in parts]
             if all(hw is not None and pos >= hw for pos, hw in marks):
                 return out

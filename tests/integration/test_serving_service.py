@@ -48,8 +48,9 @@ def command(name: str, **payload: Any) -> tuple[str, bytes]:
 async def submitted(bootstrap: str, name: str) -> list[str]:
     return [
         e["payload"]["job_id"]
-        for e in await every_record(bootstrap, topics.JOB_SUBMITTED)
-        if e["payload"].get("job_id", "").startswith(f"svc-{name}-")
+        for e in await every_record(bootstrap, topics.JOB_SUBMITTED, skip_unreadable=True)
+        if isinstance(e.get("payload"), dict)
+        and str(e["payload"].get("job_id", "")).startswith(f"svc-{name}-")
     ]
 
 
@@ -120,8 +121,10 @@ async def test_hostile_records_are_dead_lettered_and_what_follows_is_served(
             # Every poison record was keyed by the service's name.
             found = [
                 e["payload"]
-                for e in await every_record(bootstrap, topics.DEAD_LETTER)
-                if e["payload"].get("consumer") == "serving" and e["payload"].get("key") == name
+                for e in await every_record(bootstrap, topics.DEAD_LETTER, skip_unreadable=True)
+                if isinstance(e.get("payload"), dict)
+                and e["payload"].get("consumer") == "serving"
+                and e["payload"].get("key") == name
             ]
             return found if len(found) >= 4 else []
 
