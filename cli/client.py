@@ -164,6 +164,28 @@ class GatewayClient:
     def pools(self) -> dict[str, Any]:
         return dict(self._call("GET", "/v1/pools"))
 
+    def fleet(self, *, cells: bool = True) -> dict[str, Any]:
+        return dict(self._call("GET", "/v1/fleet", params={"cells": str(cells).lower()}))
+
+    def nodes(
+        self,
+        cluster: str | None = None,
+        accelerator_type: str | None = None,
+        state: str | None = None,
+    ) -> list[dict[str, Any]]:
+        filters = (("cluster", cluster), ("type", accelerator_type), ("state", state))
+        params = {k: v for k, v in filters if v}
+        return list(self._call("GET", "/v1/nodes", params=params).get("nodes", []))
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        from urllib.parse import quote
+
+        return dict(self._call("GET", f"/v1/nodes/{quote(node_id, safe='')}"))
+
+    def queues(self, hours: float | None = None) -> dict[str, Any]:
+        params = {"hours": hours} if hours is not None else {}
+        return dict(self._call("GET", "/v1/queues", params=params))
+
     def explain(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/v1/jobs/{job_id}/explain"))
 

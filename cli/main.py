@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 import typer
 from rich.console import Console
 
+from cli import fleet as fleet_command
 from cli import jobs, render
 from cli import pools as pools_command
 from cli import robots as robots_command
@@ -316,6 +317,7 @@ def _follow(path: Path) -> None:
 jobs.register(app)
 app.command("usage")(usage_command.usage)
 app.command("pools")(pools_command.pools)
+fleet_command.register(app)
 services_command.register(app)
 robots_command.register(app)
 app.add_typer(fault_app, name="fault")

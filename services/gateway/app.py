@@ -11,7 +11,18 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
-from services.gateway import explain, pools, problems, robots, routes, serving, store, usage
+from services.gateway import (
+    explain,
+    fleet,
+    inventory,
+    pools,
+    problems,
+    robots,
+    routes,
+    serving,
+    store,
+    usage,
+)
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
 from services.gateway.explain import record_explanations
@@ -39,6 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(usage.router)
     app.include_router(serving.router)
     app.include_router(robots.router)
+    app.include_router(fleet.router)
     holder: dict[str, Projector] = {}
 
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
@@ -62,10 +74,18 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     )
 
     async def pool_views(records: Records) -> None:
-        await consumers.publish(await pools.record_pools(app.state.gateway.pool, records))
+        # Pools and the fleet's nodes share one consumer: both read cluster.capacity.
+        pool = app.state.gateway.pool
+        pooled = tuple(r for r in records if r.topic in pools.POOL_TOPICS)
+        dead = await pools.record_pools(pool, pooled) if pooled else []
+        dead += await inventory.record_fleet(pool, records)
+        await consumers.publish(dead)
 
     consumers.subscribe(
-        *pools.POOL_TOPICS, group_id=f"{settings.group_id}-pools", handle=pool_views
+        *pools.POOL_TOPICS,
+        *inventory.HEALTH_TOPICS,
+        group_id=f"{settings.group_id}-pools",
+        handle=pool_views,
     )
 
     async def serving_views(records: Records) -> None:

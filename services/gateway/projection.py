@@ -28,9 +28,88 @@ from schemas.job import JobSpec, JobState
 
 _RANK = {JobState.SUBMITTED: 0, JobState.QUEUED: 1, JobState.PLACED: 2, JobState.RUNNING: 3}
 
+# States in which a job's placement holds its devices (from the decision until the run ends).
+HOLDING = frozenset({JobState.PLACED, JobState.RUNNING, JobState.PREEMPTING})
+
 
 def rank(state: JobState) -> int:
     return 4 if state.terminal else _RANK.get(state, 3)
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    replica: int
+    node_id: str
+    accelerators: float
+    # The node's device indices it takes; empty when the scheduler left the choice to the
+    # executor (then only the amount on the node is known).
+    devices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one attempt of a job was placed, replica by replica."""
+
+    attempt: int
+    cluster: str
+    accelerator_type: str
+    replicas: tuple[ReplicaPlacement, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "cluster": self.cluster,
+            "accelerator_type": self.accelerator_type,
+            "replicas": [
+                {
+                    "replica": r.replica,
+                    "node_id": r.node_id,
+                    "accelerators": r.accelerators,
+                    "devices": list(r.devices),
+                }
+                for r in self.replicas
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Placement:
+        return cls(
+            attempt=int(doc["attempt"]),
+            cluster=str(doc["cluster"]),
+            accelerator_type=str(doc["accelerator_type"]),
+            replicas=tuple(
+                ReplicaPlacement(
+                    int(r["replica"]),
+                    str(r["node_id"]),
+                    float(r["accelerators"]),
+                    tuple(int(d) for d in r.get("devices") or ()),
+                )
+                for r in doc.get("replicas") or ()
+            ),
+        )
+
+
+def placement_of(p: PlacementDecided) -> Placement:
+    return Placement(
+        attempt=p.attempt,
+        cluster=p.cluster,
+        accelerator_type=p.accelerator_type,
+        replicas=tuple(
+            ReplicaPlacement(r.replica, r.node_id, r.accelerators, tuple(r.devices))
+            for r in p.replicas
+        ),
+    )
+
+
+def wanted_type(spec: JobSpec | None) -> str | None:
+    """The accelerator type a job asks for, as one word to group by: its only acceptable type,
+    several joined by `|` (sorted), or `any`."""
+    if spec is None:
+        return None
+    types = spec.resources.accelerator_types
+    if not types:
+        return "any"
+    return types[0] if len(types) == 1 else "|".join(sorted(set(types)))
 
 
 @dataclass(frozen=True)
@@ -47,6 +126,24 @@ class JobView:
     message: str | None = None
     cluster: str | None = None
     nodes: tuple[str, ...] = ()
+    # The newest placement decided for it (attempt `placement.attempt`); it holds devices while
+    # the job is in a HOLDING state of that same attempt.
+    placement: Placement | None = None
+
+    @property
+    def accelerator_type(self) -> str | None:
+        """The type it holds (or last held, once ended) when placed, else the type it asks for."""
+        if self.placement is not None and (self.state in HOLDING or self.state.terminal):
+            return self.placement.accelerator_type
+        return wanted_type(self.spec)
+
+    @property
+    def held(self) -> Placement | None:
+        """The placement whose devices the job holds now, if any."""
+        p = self.placement
+        if p is not None and self.state in HOLDING and p.attempt == self.attempt:
+            return p
+        return None
 
 
 @dataclass(frozen=True)
@@ -58,6 +155,9 @@ class EventLine:
     state: JobState | None
     reason_code: str | None = None
     message: str | None = None
+    # The job a preemption made room for (JobPreempted, JobCheckpointRequested,
+    # PreemptionCanceled): GET /v1/queues counts the preemptions each tenant caused by it.
+    for_job: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -81,7 +181,17 @@ def project(view: JobView | None, env: Envelope, payload: Any) -> tuple[JobView 
     new = _fold(view, env, payload, at)
     state = new.state if new is not None else None
     reason, message = _words(payload, new)
-    return new, EventLine(env.event_id, job_id, at, env.type, state, reason, message)
+    for_job = getattr(payload, "for_job", None)
+    return new, EventLine(
+        env.event_id,
+        job_id,
+        at,
+        env.type,
+        state,
+        reason,
+        message,
+        str(for_job) if for_job else None,
+    )
 
 
 def _advance(view: JobView, state: JobState, at: datetime, **changes: Any) -> JobView:
@@ -120,9 +230,21 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
         if p.attempt < view.attempt or p.attempt <= view.ended_attempt:
             return view
         nodes = tuple(sorted({r.node_id for r in p.replicas}))
-        return _advance(
-            view, JobState.PLACED, at, attempt=p.attempt, cluster=p.cluster, nodes=nodes
+        placement = placement_of(p)
+        moved = _advance(
+            view,
+            JobState.PLACED,
+            at,
+            attempt=p.attempt,
+            cluster=p.cluster,
+            nodes=nodes,
+            placement=placement,
         )
+        if moved is view and (view.placement is None or view.placement.attempt <= p.attempt):
+            # The run's start (another topic) came first: the job is already running this
+            # attempt, or ended; the decision still says which devices it holds or held.
+            return replace(view, placement=placement)
+        return moved
     if isinstance(p, JobCheckpointRequested):
         # The preemptor asked the run to checkpoint: it is stopped when the grace period ends.
         if p.attempt == view.attempt and view.state is JobState.RUNNING:

@@ -11,14 +11,14 @@ import asyncpg
 
 from schemas.job import JobSpec, JobState
 from services.common.db import migrate
-from services.gateway.projection import EventLine, JobView
+from services.gateway.projection import EventLine, JobView, Placement
 
 SCHEMA = "gateway"
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 _COLS = (
     "job_id, tenant, state, attempt, ended_attempt, reason_code, message, cluster, nodes, spec, "
-    "submitted_at, updated_at"
+    "submitted_at, updated_at, placement"
 )
 
 
@@ -41,6 +41,7 @@ def _view(row: asyncpg.Record) -> JobView:
         message=row["message"],
         cluster=row["cluster"],
         nodes=tuple(row["nodes"] or ()),
+        placement=Placement.from_json(json.loads(row["placement"])) if row["placement"] else None,
     )
 
 
@@ -49,9 +50,10 @@ async def claim_lines(conn: asyncpg.Connection, lines: Sequence[EventLine]) -> s
     if not lines:
         return set()
     rows = await conn.fetch(
-        "INSERT INTO gateway.job_events (event_id, job_id, at, type, state, reason_code, message)"
-        " SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[], $5::text[],"
-        " $6::text[], $7::text[]) ON CONFLICT DO NOTHING RETURNING event_id",
+        "INSERT INTO gateway.job_events (event_id, job_id, at, type, state, reason_code, message,"
+        " for_job) SELECT * FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::text[],"
+        " $5::text[], $6::text[], $7::text[], $8::text[]) ON CONFLICT DO NOTHING"
+        " RETURNING event_id",
         [ln.event_id for ln in lines],
         [ln.job_id for ln in lines],
         [ln.at for ln in lines],
@@ -59,6 +61,7 @@ async def claim_lines(conn: asyncpg.Connection, lines: Sequence[EventLine]) -> s
         [ln.state.value if ln.state else None for ln in lines],
         [ln.reason_code for ln in lines],
         [ln.message for ln in lines],
+        [ln.for_job for ln in lines],
     )
     return {r["event_id"] for r in rows}
 
@@ -81,9 +84,11 @@ async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> No
     await conn.executemany(
         'INSERT INTO gateway.jobs (job_id, tenant, project, "user", queue, name, state, attempt,'
         " reason_code, message, cluster, nodes, replicas, accelerators, idempotency_key, spec,"
-        " submitted_at, updated_at, ended_attempt) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9,"
-        " $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) ON CONFLICT (job_id) DO UPDATE SET"
+        " submitted_at, updated_at, ended_attempt, placement, accelerator_type) VALUES ($1, $2,"
+        " $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)"
+        " ON CONFLICT (job_id) DO UPDATE SET"
         " state = EXCLUDED.state, attempt = EXCLUDED.attempt,"
+        " placement = EXCLUDED.placement, accelerator_type = EXCLUDED.accelerator_type,"
         " ended_attempt = EXCLUDED.ended_attempt, reason_code = EXCLUDED.reason_code,"
         " message = EXCLUDED.message, cluster = EXCLUDED.cluster, nodes = EXCLUDED.nodes,"
         " spec = COALESCE(gateway.jobs.spec, EXCLUDED.spec),"
@@ -120,6 +125,8 @@ def _row(v: JobView) -> tuple[Any, ...]:
         v.submitted_at,
         v.updated_at,
         v.ended_attempt,
+        json.dumps(v.placement.as_json()) if v.placement is not None else None,
+        v.accelerator_type,
     )
 
 
