@@ -50,6 +50,8 @@ Probe = Callable[[], Awaitable[Any]]
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 10.0
+# From a hop inside a busy batch (tens of ms) to a consumer that was down for minutes.
+DELAY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 
 
 class OffsetCommitter:
@@ -131,6 +133,76 @@ class ConsumerMetrics:
             ["group"],
             registry=registry,
         )
+        self.records = Counter(
+            "qm_consumer_records_total",
+            "Records applied or dead-lettered",
+            ["group"],
+            registry=registry,
+        )
+        self.lag = Gauge(
+            "qm_consumer_lag_records",
+            "Records behind the high watermark after the group's last batch, per topic (summed "
+            "over the partitions this instance reads)",
+            ["group", "topic"],
+            registry=registry,
+        )
+        self.delay = Histogram(
+            "qm_consumer_record_delay_seconds",
+            "Age of a batch's oldest record (its broker timestamp) when the batch arrives",
+            ["group"],
+            buckets=DELAY_BUCKETS,
+            registry=registry,
+        )
+
+
+class LagBook:
+    """Each partition's lag as of the last batch read from it, summed per topic for the
+    group's gauge. Uses only what the consumer already knows from its fetches (the high
+    watermark of each partition, and the batch's last offset): no broker round trip."""
+
+    def __init__(self, gauge: Gauge, group_id: str) -> None:
+        self._gauge = gauge
+        self._group = group_id
+        self._lag: dict[TopicPartition, int] = {}
+
+    def note(self, consumer: Any, records: Records) -> None:
+        """After a batch: what is left behind the high watermark in each of its partitions.
+        Partitions no longer assigned (taken by a rebalance) are forgotten."""
+        if not isinstance(consumer, AIOKafkaConsumer) or not records:
+            return  # FastStream's in-memory test broker has no watermarks
+        self._lag.update(partition_lag(records, consumer.highwater))
+        assigned = consumer.assignment()
+        for tp in [tp for tp in self._lag if tp not in assigned]:
+            del self._lag[tp]
+        for topic, lag in lag_by_topic(self._lag).items():
+            self._gauge.labels(self._group, topic).set(lag)
+
+
+def partition_lag(
+    records: Records, highwater: Callable[[TopicPartition], int | None]
+) -> dict[TopicPartition, int]:
+    """Records behind the high watermark in each partition of `records`, counted from the
+    last record of the partition in the batch; partitions whose watermark is not known yet
+    are left out."""
+    # A fetch returns each partition's records in offset order: the last one seen is the
+    # highest. Keyed by plain tuples, one TopicPartition per partition (this runs per record).
+    last: dict[tuple[str, int], int] = {}
+    for r in records:
+        last[(r.topic, r.partition)] = r.offset
+    out = {}
+    for (topic, partition), offset in last.items():
+        tp = TopicPartition(topic, partition)
+        mark = highwater(tp)
+        if mark is not None:
+            out[tp] = max(0, mark - offset - 1)
+    return out
+
+
+def lag_by_topic(lag: dict[TopicPartition, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for tp, n in lag.items():
+        out[tp.topic] = out.get(tp.topic, 0) + n
+    return out
 
 
 class Consumers:
@@ -191,11 +263,13 @@ class Consumers:
             decoder=_leave_undecoded,
         )
         group = Group(self, group_id, handle, give_up)
+        lag = LagBook(self.metrics.lag, group_id)
 
         async def on_batch(message: KafkaMessage) -> None:
             records = records_of(message)
             await group.run(records)
             self.committer.add(message.consumer, records)
+            lag.note(message.consumer, records)
 
         on_batch.__name__ = f"on_{group_id.replace('-', '_')}"
         subscriber(on_batch)
@@ -222,11 +296,16 @@ class Group:
         """Apply `records`; returns once each is applied or dead-lettered. Raises only on
         cancellation (shutdown), so the batch is then redelivered to the next owner."""
         started = time.monotonic()
+        metrics = self.owner.metrics
+        if records:
+            oldest = min(r.timestamp for r in records) / 1000
+            metrics.delay.labels(self.group_id).observe(max(0.0, time.time() - oldest))
         try:
             await self._apply(records)
         finally:
             self._recovered()
-        self.owner.metrics.batch.labels(self.group_id).observe(time.monotonic() - started)
+        metrics.batch.labels(self.group_id).observe(time.monotonic() - started)
+        metrics.records.labels(self.group_id).inc(len(records))
 
     async def _apply(self, records: Records) -> None:
         delay = BACKOFF_FIRST_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 import structlog
 import uvicorn
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.errors import Failure, classify, describe
 from services.common.logging import configure_logging
@@ -144,10 +146,76 @@ class Runtime:
                 await asyncio.sleep(1.0)
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+UNMATCHED = "unmatched"  # no route took the request (a 404 for an unknown path)
+
+
+class HttpMetrics:
+    """Request latency by route template and status class: an ASGI middleware, so the cost
+    per request is one clock read at each end and one histogram observation. The time runs
+    to the response's start (its status and headers), so a stream (server-sent events)
+    counts the time to its first byte, not how long it stays open."""
+
+    def __init__(self, app: ASGIApp, histogram: Histogram) -> None:
+        self.app = app
+        self.histogram = histogram
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                self._observe(scope, status, time.perf_counter() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except BaseException:
+            if not status:  # answered 500 by the server's error handler, outside this one
+                self._observe(scope, 500, time.perf_counter() - started)
+            raise
+
+    def _observe(self, scope: Scope, status: int, seconds: float) -> None:
+        method = scope.get("method", "")
+        self.histogram.labels(
+            method if method in HTTP_METHODS else "other",
+            route_template(scope),
+            status_class(status),
+        ).observe(seconds)
+
+
+def route_template(scope: Scope) -> str:
+    """The path template of the route that took the request (`/v1/jobs/{job_id}`), never the
+    path itself: ids in paths would make every job a label value."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) and path else UNMATCHED
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx" if 100 <= status < 600 else "other"
+
+
+def http_latency(registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        "qm_http_request_duration_seconds",
+        "HTTP requests: time to the response's start, by method, route template and status class",
+        ["method", "route", "status_class"],
+        registry=registry,
+    )
+
+
 def create_http_app(runtime: Runtime, **fastapi_kwargs: Any) -> FastAPI:
     app = FastAPI(
         title=f"quartermaster-{runtime.name}", lifespan=runtime.lifespan, **fastapi_kwargs
     )
+    app.add_middleware(HttpMetrics, histogram=http_latency(runtime.registry))
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:

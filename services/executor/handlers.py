@@ -97,6 +97,10 @@ class Executor:
         # such a job is refused; kept `tombstone_retention_s`, longer than any placement of a
         # canceled job can still be on its way, then pruned (memory and table).
         self.tombstones: dict[str, float] = {}
+        # Accepted placements not running yet (a Kubernetes gang until every pod runs): when
+        # each was decided (wall seconds) and its start-up histogram labels. Memory only: a
+        # run that starts after a restart of the executor is not observed.
+        self.launching: dict[RunKey, tuple[float, tuple[str, str, str]]] = {}
         self._changing = asyncio.Lock()
         self._stale = False  # memory may be ahead of the store (see _reload)
 
@@ -246,12 +250,23 @@ class Executor:
         self._track(job)
         started.append(job)
         self.metrics.started.inc()
+        spec = p.spec
+        self.launching[job.key] = (
+            env.occurred_at.timestamp(),
+            (spec.tenant, spec.queue, spec.priority_class),
+        )
         if not job.started:  # it is announced when the backend reports it running
             self._acts.append(Launch(p))
             return []
         return [self._started(job, env)]
 
     def _started(self, job: RunningJob, env: Envelope | None) -> OutMessage:
+        launch = self.launching.pop(job.key, None)
+        if launch is not None:
+            placed_at, labels = launch
+            self.metrics.startup.labels(*labels).observe(
+                max(0.0, job.started_at.timestamp() - placed_at)
+            )
         return self._emit(
             topics.JOB_STARTED,
             "JobStarted",
@@ -409,6 +424,7 @@ class Executor:
         return out
 
     def _release(self, job: RunningJob, ended: list[RunKey], how: str) -> None:
+        self.launching.pop(job.key, None)
         self.book.release(job.job_id)
         ended.append(job.key)
         self.metrics.finished.labels(how).inc()

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# From a pod that starts at once to a big gang waiting for images and nodes.
+STARTUP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class ExecutorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.started = Counter("qm_executor_jobs_started_total", "Gangs started", registry=registry)
+        self.startup = Histogram(
+            "qm_executor_startup_seconds",
+            "From a placement's decision to its gang running (job.started), wall seconds",
+            ["tenant", "queue", "priority_class"],
+            buckets=STARTUP_BUCKETS,
+            registry=registry,
+        )
         self.tombstones = Gauge(
             "qm_executor_tombstones",
             "Stop orders kept for jobs not running here (pruned past their retention)",

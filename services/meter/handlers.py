@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as Metric
 
 from schemas.envelope import utcnow
-from schemas.usage import BudgetExceeded, TickKind
+from schemas.usage import BudgetExceeded, TickKind, budget_month
 from services.common.kafka import OutMessage
 from services.common.outbox import OutboxRelay
 from services.meter import store
@@ -62,6 +62,26 @@ class MeterMetrics:
         )
         self.batch = Histogram("qm_meter_batch_seconds", "One lifecycle batch", registry=registry)
         self.tick_pass = Histogram("qm_meter_tick_seconds", "One clock pass", registry=registry)
+        self.spend = Metric(
+            "qm_meter_spend_total",
+            "Cost of the usage metered, by tenant, in the configured currency (idle capacity is "
+            "not usage)",
+            ["tenant", "currency"],
+            registry=registry,
+        )
+        self.usage = Metric(
+            "qm_meter_usage_accelerator_seconds_total",
+            "Accelerator-seconds of usage metered, by tenant",
+            ["tenant"],
+            registry=registry,
+        )
+        self.budget_used = Gauge(
+            "qm_meter_budget_used_ratio",
+            "This month's consumption of each budget over its limit (1 = used up), as of the "
+            "tenant's last metered usage",
+            ["tenant", "budget"],
+            registry=registry,
+        )
 
 
 class Meter:
@@ -219,6 +239,7 @@ class Meter:
         deltas = usage_deltas(new)
         if not deltas:
             return []
+        self._count_usage(deltas)
         await store.add_budget_usage(conn, deltas)
         now = self.clock()
         events: list[BudgetExceeded] = []
@@ -229,9 +250,14 @@ class Meter:
                 continue
             totals = await store.budget_totals(conn, tenants, month)
             candidates = []
+            current = month == budget_month(now)
             for b in budgets:
                 consumption = used(b, totals)
                 candidates += [(b, threshold, consumption) for threshold in reached(b, consumption)]
+                if current and b.limit > 0:
+                    self.metrics.budget_used.labels(b.tenant, b.budget_id).set(
+                        float(consumption / b.limit)
+                    )
             claimed = await store.claim_thresholds(
                 conn, [(b.budget_id, month, th, u) for b, th, u in candidates]
             )
@@ -241,3 +267,17 @@ class Meter:
                 if (b.budget_id, month, th) in claimed
             ]
         return events
+
+    def _count_usage(self, deltas: dict[tuple[str, str, str], tuple[int, int]]) -> None:
+        """Spend and usage counters, per tenant, from what new ticks add (millionths)."""
+        by_tenant: dict[str, tuple[int, int]] = {}
+        for (tenant, _project, _month), (seconds_u, cost_u) in deltas.items():
+            s, c = by_tenant.get(tenant, (0, 0))
+            by_tenant[tenant] = (s + seconds_u, c + cost_u)
+        currency = self.config.currency
+        for tenant, (seconds_u, cost_u) in by_tenant.items():
+            # A run that ends inside time already billed is credited back: counters only rise.
+            if seconds_u > 0:
+                self.metrics.usage.labels(tenant).inc(seconds_u / 1e6)
+            if cost_u > 0:
+                self.metrics.spend.labels(tenant, currency).inc(cost_u / 1e6)

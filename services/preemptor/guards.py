@@ -64,6 +64,7 @@ class Request:
     grace_s: float
     epoch: int
     requested_at: datetime  # the request's occurred_at (the scheduler's clock)
+    for_tenant: str = ""  # the tenant the room is for (metrics only)
 
 
 @dataclass(frozen=True)

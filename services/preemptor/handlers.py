@@ -77,6 +77,13 @@ class PreemptorMetrics:
             "Stop orders no run end answered within the timeout (each raised an alert)",
             registry=registry,
         )
+        self.preemptions = Counter(
+            "qm_preemptor_preemptions_total",
+            "Runs ordered to stop for a higher claim, by reason code and the tenants that gain "
+            "and lose the room",
+            ["reason", "preemptor_tenant", "victim_tenant"],
+            registry=registry,
+        )
         self.order_delay = Histogram(
             "qm_preemptor_order_delay_seconds",
             "Wall seconds from a preemption's stop_at to its stop order",
@@ -307,6 +314,9 @@ class Preemptor:
                     )
                 elif isinstance(decision, Order):
                     m.ordered.inc()
+                    m.preemptions.labels(
+                        req.reason_code, req.for_tenant or "unknown", req.tenant
+                    ).inc()
                     if delay is not None:
                         m.order_delay.observe(delay)
                     log.info("stop ordered", late_s=delay, **fields)

@@ -92,6 +92,7 @@ def to_request(event_id: str, occurred_at: datetime, p: PreemptionRequested) -> 
         grace_s=p.grace_s,
         epoch=p.epoch,
         requested_at=aware(occurred_at),
+        for_tenant=p.for_tenant,
     )
 
 

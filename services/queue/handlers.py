@@ -38,6 +38,20 @@ class QueueMetrics:
         self.batch = Histogram(
             "qm_queue_batch_seconds", "Time to process one batch", registry=registry
         )
+        self.preempted = Counter(
+            "qm_queue_runs_preempted_total",
+            "Runs the platform ended before the job was done (job.preempted), by the victim's "
+            "tenant and reason code",
+            ["tenant", "reason"],
+            registry=registry,
+        )
+        self.lost = Counter(
+            "qm_queue_preemption_lost_accelerator_seconds_total",
+            "Work lost to preemption: fleet seconds since the run's last checkpoint times the "
+            "accelerators of its gang",
+            ["tenant", "reason"],
+            registry=registry,
+        )
 
 
 class QueueProcessor:
@@ -123,3 +137,6 @@ class QueueProcessor:
         self.metrics.rejected.inc(len(plan.rejections))
         self.metrics.dead.inc(dead + sum(1 for m in plan.emits if m.topic == "dead.letter"))
         self.metrics.duplicates.inc(redelivered + plan.duplicates)
+        for tenant, reason, lost in plan.preempted:
+            self.metrics.preempted.labels(tenant, reason).inc()
+            self.metrics.lost.labels(tenant, reason).inc(max(0.0, lost))

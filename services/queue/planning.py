@@ -46,6 +46,9 @@ class Plan:
     unknown_job_events: int = 0
     duplicates: int = 0
     budget_blocks: dict[str, BudgetBlock] = field(default_factory=dict)
+    # Runs the platform took away (job.preempted that ended a run): tenant, reason code and
+    # the accelerator-seconds of work lost (fleet seconds lost times the gang's accelerators).
+    preempted: list[tuple[str, str, float]] = field(default_factory=list)
 
 
 def item_event_id(item: Item) -> str:
@@ -243,7 +246,11 @@ def _plan_lifecycle(
         else:
             plan.unknown_job_events += 1
         return
-    step = _transition(record, item, specs.get(job_id), backoff)
+    spec = specs.get(job_id)
+    step = _transition(record, item, spec, backoff)
+    if isinstance(item.payload, JobPreempted) and step.record is not record and spec is not None:
+        lost = item.payload.work_lost_s * spec.replicas * spec.resources.accelerators
+        plan.preempted.append((record.tenant, item.payload.reason_code, lost))
     if step.spec is not None:
         specs[job_id] = step.spec  # a later requeue in this batch carries it on
     _apply_step(plan, job_id, step, records, inserted)

@@ -11,6 +11,7 @@ import structlog
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from services.common.consumer import ConsumerMetrics
 from services.common.kafka import make_broker
 from services.common.lease import RedisLease
 from services.common.policyfile import load_policy
@@ -51,6 +52,8 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         settings.fetch_max_wait_ms,
         on_records,
         cold_fetch_max_wait_ms=settings.cold_fetch_max_wait_ms,
+        metrics=ConsumerMetrics(runtime.registry),
+        name=f"{NAME}-feed",
     )
     working = WorkingSet(verify_every=settings.working_set_check_every)
     cycle = Cycle(state, policy, broker, metrics, holder, settings.time_scale, working)

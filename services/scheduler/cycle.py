@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import structlog
@@ -34,6 +34,7 @@ from schemas.events import (
 )
 from schemas.events import Claim as WireClaim
 from services.common.kafka import Outcome, OutMessage, envelope_for
+from services.scheduler import figures
 from services.scheduler.convert import placement_event
 from services.scheduler.emit import publish_each
 from services.scheduler.errors import PublishFailed
@@ -43,6 +44,7 @@ from services.scheduler.working import WorkingSet
 
 log = structlog.get_logger()
 EXPLAIN_EVERY_S = 10.0
+FIGURES_EVERY_S = 1.0
 # The capacity demand goes out when it changes, at most every DEMAND_MIN_GAP_S (it can be 2,000
 # jobs long, and under a burst it changes every cycle; the autoscaler decides every 2 s), and at
 # least every DEMAND_EVERY_S (wall seconds).
@@ -114,6 +116,8 @@ class Decisions:
     explained: tuple[tuple[OutMessage, JobId, Told], ...] = ()
     # The pending work waiting for capacity, when it changed or is due again (last).
     demand: tuple[OutMessage, tuple[object, ...]] | None = None
+    # Why each pending job waits, as the core (and the backoffs) explained it this cycle.
+    pending: Mapping[JobId, PendingExplanation] = field(default_factory=dict)
 
     def messages(self) -> list[OutMessage]:
         return (
@@ -154,6 +158,7 @@ class Cycle:
         # The policy with budget deprioritizations applied, per (month, factors): the same
         # object while they hold, so the working set is rebuilt only when they change.
         self._weighted: tuple[tuple[str, tuple[tuple[str, float], ...]], Policy] | None = None
+        self.figures_at = float("-inf")  # when show_figures last set the gauges (wall time)
 
     async def run_once(
         self,
@@ -177,6 +182,7 @@ class Cycle:
             return 0
         outcomes = await self.publish(decisions)
         placed = self.apply(decisions, outcomes)
+        self.show_figures(decisions)
         failed = [exc for exc in outcomes if exc is not None]
         if failed:
             self.metrics.publish_failed.inc()
@@ -217,6 +223,7 @@ class Cycle:
             requests=tuple(requests),
             explained=tuple(self._explanations(pending, now)),
             demand=self._demand(pending, epoch, now),
+            pending=pending,
         )
 
     async def publish(self, decisions: Decisions) -> list[Outcome]:
@@ -245,6 +252,7 @@ class Cycle:
         placed = 0
         for (_, event), sent in zip(decisions.placements, ok[: ends[0]], strict=True):
             if sent:
+                self._observe_wait(event, decisions.at)
                 state.on_placed(event, decisions.at)
                 self.told.pop(JobId(event.job_id), None)
                 placed += 1
@@ -266,6 +274,36 @@ class Cycle:
         self.metrics.pending.set(len(state.pending))
         self.metrics.running.set(len(state.running))
         return placed
+
+    def _observe_wait(self, event: PlacementDecided, at: float) -> None:
+        """Submission to first placement; later attempts wait from a requeue, whose time the
+        state does not keep, so they are left out."""
+        queued = self.state.queued.get(JobId(event.job_id))
+        if event.attempt != 1 or queued is None:
+            return
+        spec = event.spec
+        self.metrics.queue_wait.labels(spec.tenant, spec.queue, spec.priority_class).observe(
+            max(0.0, at - queued.submitted_at.timestamp())
+        )
+
+    def show_figures(self, decisions: Decisions) -> None:
+        """The leader's gauges (figures.py), at most every FIGURES_EVERY_S: they walk every
+        pending and running job, which a cycle under a burst need not pay for each time."""
+        if decisions.at - self.figures_at < FIGURES_EVERY_S:
+            return
+        working = self.working.state
+        if working is None:
+            return
+        self.figures_at = decisions.at
+        try:
+            self.metrics.show(
+                figures.jobs_by_state(self.state, decisions.at),
+                figures.pending_by_reason(self.state, decisions.pending),
+                figures.tenant_figures(working, self._policy_for(decisions.at)),
+                figures.fleet_figures(working.cap),
+            )
+        except Exception:  # a figure is never worth a cycle
+            log.exception("scheduler figures failed")
 
     def _policy_for(self, now: float) -> Policy:
         """The policy with this month's budget deprioritizations applied to tenant weights."""

@@ -13,6 +13,7 @@ that high watermark."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
 
 from schemas.topics import JOB_QUEUED
+from services.common.consumer import ConsumerMetrics, LagBook
 
 log = structlog.get_logger()
 
@@ -51,8 +53,11 @@ class Feed:
         *,
         hot: tuple[str, ...] = HOT_TOPICS,
         cold_fetch_max_wait_ms: int | None = None,
+        metrics: ConsumerMetrics | None = None,
+        name: str = "scheduler-feed",
     ) -> None:
         self._apply = apply
+        self._metrics = metrics
         self._bootstrap = bootstrap
         hot_topics = tuple(t for t in topics if t in hot)
         cold_topics = tuple(t for t in topics if t not in hot)
@@ -61,6 +66,8 @@ class Feed:
         self._waits = [fetch_max_wait_ms] * len(self._groups)
         if self._cold is not None and cold_fetch_max_wait_ms is not None:
             self._waits[self._cold] = cold_fetch_max_wait_ms
+        # Named in the consumer metrics ("group" label; no Kafka group is used) by this.
+        self._name = name
         self._consumers: list[Any] = []
         self._owner: dict[TopicPartition, Any] = {}
         self._targets: dict[TopicPartition, int] = {}
@@ -161,11 +168,18 @@ class Feed:
     async def run(self) -> None:
         """Read and apply, each consumer in its own loop (one event loop: batches are applied
         one at a time, whole)."""
-        await asyncio.gather(*(self._run(c) for c in self._consumers))
+        await asyncio.gather(
+            *(self._run(c, self._name_of(i)) for i, c in enumerate(self._consumers))
+        )
 
-    async def _run(self, consumer: Any) -> None:
+    def _name_of(self, index: int) -> str:
+        return f"{self._name}-{'cold' if index == self._cold else 'hot'}"
+
+    async def _run(self, consumer: Any, name: str) -> None:
+        lag = LagBook(self._metrics.lag, name) if self._metrics is not None else None
         while True:
             batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+            started = time.monotonic()
             for tp, records in batches.items():
                 if records:
                     self._apply(records)
@@ -176,7 +190,29 @@ class Feed:
                         last.timestamp,
                         len(last.value or b""),
                     )
+            if lag is not None and batches:
+                self._observe(consumer, name, lag, batches, time.monotonic() - started)
             await self._check_caught_up()
+
+    def _observe(
+        self,
+        consumer: Any,
+        name: str,
+        lag: LagBook,
+        batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]],
+        took_s: float,
+    ) -> None:
+        """The consumer metrics every service's groups have, once per fetch."""
+        metrics = self._metrics
+        assert metrics is not None
+        records = tuple(r for rs in batches.values() for r in rs)
+        if not records:
+            return
+        oldest = min(r.timestamp for r in records) / 1000
+        metrics.delay.labels(name).observe(max(0.0, time.time() - oldest - took_s))
+        metrics.batch.labels(name).observe(took_s)
+        metrics.records.labels(name).inc(len(records))
+        lag.note(consumer, records)
 
 
 @dataclass(frozen=True)

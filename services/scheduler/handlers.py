@@ -3,6 +3,7 @@ the leader's fences. The leader's cycle is in cycle.py, its loop in leadership.p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -27,10 +28,13 @@ from schemas.events import (
 from schemas.health import NodeRecovered, NodeUnhealthy
 from schemas.usage import BudgetExceeded
 from services.common.kafka import OutMessage, envelope_for
+from services.scheduler.figures import FleetFigures, TenantFigures
 from services.scheduler.state import SchedulerState
 
 log = structlog.get_logger()
 PRODUCER = "scheduler"
+# Queue waits run from a moment (an idle fleet) to days (a big gang on a busy one).
+WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
 
 FEED_TOPICS = (
     topics.CLUSTER_CAPACITY,
@@ -50,6 +54,7 @@ FEED_TOPICS = (
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.showing = False  # the leader's figures (`show`) are set
         self.cycle = Histogram("qm_scheduler_cycle_seconds", "One decide cycle", registry=registry)
         self.placed = Counter(
             "qm_scheduler_placements_total", "Placements decided", registry=registry
@@ -141,6 +146,114 @@ class SchedulerMetrics:
             ["reason"],
             registry=registry,
         )
+        self.queue_wait = Histogram(
+            "qm_scheduler_queue_wait_seconds",
+            "From a job's submission to its first placement (wall seconds)",
+            ["tenant", "queue", "priority_class"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.jobs = Gauge(
+            "qm_scheduler_jobs",
+            "Jobs the leader holds, by state: pending, backing_off, running, preempting",
+            ["state", "tenant"],
+            registry=registry,
+        )
+        self.pending_reasons = Gauge(
+            "qm_scheduler_pending_by_reason",
+            "Pending jobs by the first reason code of their explanation",
+            ["tenant", "reason"],
+            registry=registry,
+        )
+        tenant_type = ["tenant", "accelerator_type"]
+        self.quota = Gauge(
+            "qm_tenant_quota_accelerators",
+            "Nominal quota per tenant and accelerator type (tenants with quotas only)",
+            tenant_type,
+            registry=registry,
+        )
+        self.allocated = Gauge(
+            "qm_tenant_allocated_accelerators",
+            "Accelerators each tenant's running work holds, per type",
+            tenant_type,
+            registry=registry,
+        )
+        self.borrowed = Gauge(
+            "qm_tenant_borrowed_accelerators",
+            "Accelerators held above nominal quota, borrowed from the tenant's cohort",
+            tenant_type,
+            registry=registry,
+        )
+        self.dominant_share = Gauge(
+            "qm_tenant_dominant_share",
+            "Dominant-resource share of the fleet the tenant's running work holds (0-1)",
+            ["tenant"],
+            registry=registry,
+        )
+        self.fair_share = Gauge(
+            "qm_tenant_fair_share",
+            "The tenant's entitlement: its weight over the weights of tenants with work (0-1)",
+            ["tenant"],
+            registry=registry,
+        )
+        self.ordering_share = Gauge(
+            "qm_tenant_ordering_share",
+            "What tenants are ordered by: (dominant share + decayed past use) / weight; "
+            "lower goes first",
+            ["tenant"],
+            registry=registry,
+        )
+        self.accelerators = Gauge(
+            "qm_fleet_accelerators",
+            "Accelerators by state: allocated, idle, held (for a waiting gang), unhealthy",
+            ["cluster", "accelerator_type", "state"],
+            registry=registry,
+        )
+        self.free_slots = Gauge(
+            "qm_fleet_free_slots",
+            "Replicas of `size` whole devices that could start now (untouched devices of "
+            "healthy nodes not held for a gang)",
+            ["cluster", "accelerator_type", "size"],
+            registry=registry,
+        )
+        self.fragmentation = Gauge(
+            "qm_fleet_fragmentation_ratio",
+            "Share of free accelerators that are not on a wholly free node (0-1)",
+            ["cluster", "accelerator_type"],
+            registry=registry,
+        )
+
+    def show(
+        self,
+        jobs: Mapping[tuple[str, str], int],
+        reasons: Mapping[tuple[str, str], int],
+        tenants: TenantFigures,
+        fleet: FleetFigures,
+    ) -> None:
+        """Replace the leader's figures (labels that are gone disappear)."""
+        figures: list[tuple[Gauge, Mapping[Any, float]]] = [
+            (self.jobs, jobs),
+            (self.pending_reasons, reasons),
+            (self.quota, tenants.quota),
+            (self.allocated, tenants.allocated),
+            (self.borrowed, tenants.borrowed),
+            (self.dominant_share, {(t,): v for t, v in tenants.dominant_share.items()}),
+            (self.fair_share, {(t,): v for t, v in tenants.fair_share.items()}),
+            (self.ordering_share, {(t,): v for t, v in tenants.ordering_share.items()}),
+            (self.accelerators, fleet.accelerators),
+            (self.free_slots, fleet.free_slots),
+            (self.fragmentation, fleet.fragmentation),
+        ]
+        for gauge, values in figures:
+            gauge.clear()
+            for labels, value in values.items():
+                gauge.labels(*labels).set(value)
+        self.showing = bool(jobs or tenants.quota or tenants.fair_share or fleet.accelerators)
+
+    def forget_figures(self) -> None:
+        """A replica that no longer leads shows none (its figures would go stale)."""
+        if self.showing:
+            self.show({}, {}, TenantFigures(), FleetFigures())
 
 
 def apply_records(

@@ -138,6 +138,7 @@ class Leadership:
             await lease.release()
         if not lease.held:
             self.metrics.leader.set(0)
+            self.metrics.forget_figures()
             self.feed.set_fetch_wait(self.settings.standby_fetch_max_wait_ms)
             acquired = await lease.try_acquire(floor=state.newest_epoch())
             self._redis_answers()
@@ -294,6 +295,7 @@ class Leadership:
         by itself), stand by, and try again with backoff; one warning per outage."""
         self.lease.epoch = None
         self.metrics.leader.set(0)
+        self.metrics.forget_figures()
         self.outage += 1
         if self.outage == 1:
             self.metrics.redis_outages.inc()

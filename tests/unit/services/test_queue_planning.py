@@ -274,3 +274,29 @@ def test_the_queue_reads_run_failures_from_their_topic() -> None:
     assert topics.JOB_RUN_FAILED in LIFECYCLE_TOPICS and dead == []
     [item] = items
     assert isinstance(item, LifecycleEvent) and item.payload == failure
+
+
+def test_work_lost_to_a_preemption_is_counted_once_in_accelerator_seconds() -> None:
+    gang = spec(job_id="j1", replicas=2, resources={"accelerators": 4})
+    p = JobPreempted(
+        job_id="j1",
+        attempt=1,
+        cluster="c1",
+        reason_code="preempted_for_priority",
+        message="room for a critical job",
+        ran_s=100,
+        work_kept_s=70,
+        work_lost_s=30,
+    )
+    ended = LifecycleEvent(event("JobPreempted", p, T0 + timedelta(seconds=3)), p)
+    redelivered_copy = LifecycleEvent(event("JobPreempted", p, T0 + timedelta(seconds=4)), p)
+    records = {"j1": record("j1", JobState.RUNNING, attempt=1)}
+    plan = plan_batch([ended, redelivered_copy], records, {}, policy(), specs={"j1": gang})
+    assert plan.preempted == [("vision", "preempted_for_priority", 30 * 2 * 4)]
+
+
+def test_a_preemption_that_ends_no_run_loses_nothing() -> None:
+    records = {"j1": record("j1", JobState.QUEUED, attempt=1)}
+    records["j1"].ended_attempt = 1  # that run ended already
+    plan = plan_batch([preempted("j1")], records, {}, policy(), specs={"j1": spec(job_id="j1")})
+    assert plan.preempted == []
