@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
 import signal
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -38,7 +35,7 @@ from aiokafka import AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.machine import describe, percentile
+from bench.machine import describe, percentile, servers
 from schemas import topics
 from schemas.envelope import Envelope
 from services.common.db import create_pool
@@ -254,34 +251,6 @@ async def measure(bootstrap: str, database: str, args: argparse.Namespace) -> di
     return figures
 
 
-@contextlib.contextmanager
-def servers() -> Iterator[tuple[str, str, str]]:
-    """(kafka, database url, where): from the environment, or started here."""
-    from cli import infra
-    from cli.probes import postgres_answers
-
-    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="qm-bench-") as tmp:
-        where = []
-        kafka = os.environ.get("QM_KAFKA_BOOTSTRAP")
-        if not kafka:
-            server = infra.start_kafka(Path(tmp) / "kafka")
-            stack.callback(infra.stop, server)
-            kafka = server.url
-            where.append("tansu started by the bench")
-        database = os.environ.get("QM_DATABASE_URL")
-        if not database:
-            pg = infra.LOCAL_POSTGRES
-            if not postgres_answers(pg):
-                server = infra.start_postgres(Path(tmp) / "postgres")
-                stack.callback(infra.stop, server)
-                pg = server.url
-            name = f"qm_meter_bench_{uuid.uuid4().hex[:8]}"
-            database = infra.create_database(pg, name)
-            stack.callback(infra.drop_database, pg, name)
-            where.append("fresh database")
-        yield kafka, database, ", ".join(where) or "servers from the environment"
-
-
 def main() -> None:
     # `timeout` or Ctrl-C must still stop the broker and drop the database started here.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -296,7 +265,7 @@ def main() -> None:
     )
     parser.add_argument("--timeout-s", type=float, default=300.0)
     args = parser.parse_args()
-    with servers() as (bootstrap, database, where):
+    with servers("qm_meter_bench") as (bootstrap, database, where):
         print(f"meter_throughput against {where} ({bootstrap})")
         figures = asyncio.run(measure(bootstrap, database, args))
     setup = {

@@ -153,6 +153,10 @@ def service_plan(
                 {"QM_EDGE_FLEET": fleet},
             )
         )
+    # The dashboard's scheduler health page reads every other service's /metrics.
+    plan[0].extra_env["QM_METRICS_TARGETS"] = ",".join(
+        f"{s.name}=http://127.0.0.1:{s.port}/metrics" for s in plan[1:]
+    )
     return plan
 
 

@@ -25,6 +25,8 @@ from services.gateway import (
 )
 from services.gateway.auth import load_tokens
 from services.gateway.context import Gateway
+from services.gateway.dashboard import views as dashboard
+from services.gateway.dashboard.session import Sessions
 from services.gateway.explain import record_explanations
 from services.gateway.handlers import PROJECTED, Projector
 from services.gateway.settings import GatewaySettings
@@ -51,6 +53,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(serving.router)
     app.include_router(robots.router)
     app.include_router(fleet.router)
+    dashboard.install(app, Sessions(tokens, settings.ui_session_secret, settings.ui_session_hours))
     holder: dict[str, Projector] = {}
 
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)

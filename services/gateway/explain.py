@@ -65,6 +65,12 @@ async def explain_job(
     row = await store.get_job(gw.pool, job_id)
     if row is None or not who.can_read(row["tenant"]):
         raise HTTPException(404, detail=f"no job {job_id} visible to this token")
+    return await explanation(gw, row)
+
+
+async def explanation(gw: Gateway, row: asyncpg.Record) -> Explanation:
+    """Why the job of this read-model row is where it is (`qm explain` and the dashboard)."""
+    job_id = row["job_id"]
     state = JobState(row["state"])
     if state in (JobState.SUBMITTED, JobState.QUEUED):
         why = await gw.pool.fetchrow(

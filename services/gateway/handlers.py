@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import asyncpg
@@ -70,6 +71,15 @@ def feed_channel(job_id: str) -> str:
     return f"qm:job-events:{job_id}"
 
 
+# One message per projected batch naming the jobs whose row changed (the dashboard's live
+# views follow it): [[job_id, tenant, state], ...].
+CHANGES_CHANNEL = "qm:jobs-changed"
+
+
+def changes_message(views: Iterable[JobView]) -> str:
+    return json.dumps([[v.job_id, v.tenant, v.state.value] for v in views])
+
+
 class Projector:
     def __init__(self, pool: asyncpg.Pool, redis: Redis) -> None:
         self.pool = pool
@@ -88,7 +98,6 @@ class Projector:
         owed = owed_dead_letters(dead)
         if not items:
             return owed
-            return
         lines: list[EventLine] = []
         async with self.pool.acquire() as conn, conn.transaction():
             views: dict[str, JobView | None] = dict(
@@ -106,13 +115,15 @@ class Projector:
             # Replaying an event changes nothing, but only fresh ones are announced.
             await store.upsert_views(conn, list(changed.values()))
         lines = [ln for ln in lines if ln.event_id in fresh]
-        if lines:
-            # The live feed (`qm watch`) is best effort: the read model is already committed,
-            # and a Redis outage must not hold the projection back.
+        if lines or changed:
+            # The live feeds (`qm watch`, the dashboard) are best effort: the read model is
+            # already committed, and a Redis outage must not hold the projection back.
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for ln in lines:
                         pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
+                    if changed:
+                        pipe.publish(CHANGES_CHANNEL, changes_message(changed.values()))
                     await pipe.execute()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 self.feed_dropped += len(lines)

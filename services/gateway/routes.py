@@ -171,6 +171,12 @@ async def list_jobs(
     },
 )
 async def cancel_job(job_id: str, gw: GatewayDep, who: PrincipalDep) -> CancelAccepted:
+    await request_cancel(gw, who, job_id)
+    return CancelAccepted(job_id=job_id)
+
+
+async def request_cancel(gw: Gateway, who: Principal, job_id: str, via: str = "api") -> None:
+    """Ask for a job to be cancelled, as `who`; raises the HTTP answer when it may not be."""
     row = await store.get_job(gw.pool, job_id)
     if row is None or not who.can_read(row["tenant"]):
         raise _not_found(job_id)
@@ -178,10 +184,10 @@ async def cancel_job(job_id: str, gw: GatewayDep, who: PrincipalDep) -> CancelAc
         raise HTTPException(403, detail=f"a {who.role.value} token cannot cancel jobs")
     if JobState(row["state"]).terminal:
         raise HTTPException(409, detail=f"job {job_id} already {row['state']}")
-    cmd = JobCancelRequested(job_id=job_id, requested_by=f"{who.tenant}/{who.role.value}")
+    by = f"{who.tenant}/{who.role.value}" + ("" if via == "api" else f" via the {via}")
+    cmd = JobCancelRequested(job_id=job_id, requested_by=by)
     env = envelope_for("JobCancelRequested", cmd, producer="gateway", tenant=row["tenant"])
     await publish_all(gw.broker, [OutMessage(topics.JOB_CANCEL_REQUESTED, job_id, env)])
-    return CancelAccepted(job_id=job_id)
 
 
 @router.get("/jobs/{job_id}/events")

@@ -1,6 +1,8 @@
 """Gateway settings (env prefix QM_)."""
 
-from services.common.settings import ServiceSettings
+from pathlib import Path
+
+from services.common.settings import REPO_ROOT, ServiceSettings
 
 
 class GatewaySettings(ServiceSettings):
@@ -10,3 +12,14 @@ class GatewaySettings(ServiceSettings):
     fetch_max_wait_ms: int = 100
     # How long `?follow=true` keeps a quiet event stream open before closing it.
     watch_idle_timeout_s: float = 3600.0
+    # The dashboard's session cookies are signed with this key. Every gateway replica must
+    # share it; when empty, each process draws its own at start (sessions end with a restart).
+    ui_session_secret: str = ""
+    ui_session_hours: float = 12.0
+    # Mark the session cookie Secure (set it when the dashboard is served over HTTPS).
+    ui_secure_cookie: bool = False
+    # name=url of each service's /metrics, comma-separated: the dashboard's scheduler health
+    # page reads them (the dev stack fills it in; Kubernetes lists the Services).
+    metrics_targets: str = ""
+    # The meter's budgets file: the cost page shows each budget and its thresholds.
+    budgets_file: Path = REPO_ROOT / "examples" / "budgets.yaml"

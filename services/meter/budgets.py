@@ -21,31 +21,12 @@ from schemas.usage import (
     TickKind,
     budget_month,
 )
+from services.common.budgetfile import Budget, ConfigError, keys, parse_budgets
 from services.meter.overhead import OverheadMode, OverheadPolicy
 from services.meter.ticks import Tick, decimal
 
-DEFAULT_THRESHOLDS = (Decimal(50), Decimal(80), Decimal(100))
 # (tenant, project) -> (accelerator-seconds, cost) in one month, in millionths
 Totals = Mapping[tuple[str, str], tuple[int, int]]
-
-
-class ConfigError(ValueError):
-    """The budgets file is wrong; the message names the key."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    budget_id: str
-    tenant: str
-    project: str | None
-    unit: BudgetUnit
-    limit: Decimal
-    thresholds: tuple[Decimal, ...] = DEFAULT_THRESHOLDS
-    enforcement: Enforcement = Enforcement.NOTIFY
-    weight_factor: Decimal = Decimal("0.5")
-
-    def covers(self, tenant: str, project: str) -> bool:
-        return tenant == self.tenant and self.project in (None, project)
 
 
 @dataclass(frozen=True)
@@ -156,30 +137,15 @@ def alert_for(event: BudgetExceeded, source: str) -> AlertRaised:
 
 
 def parse_config(doc: Mapping[str, Any]) -> MeterConfig:
-    _keys(doc, {"currency", "overhead", "budgets"}, "budgets file")
+    keys(doc, {"currency", "overhead", "budgets"}, "budgets file")
     currency = str(doc.get("currency", "USD"))
     raw = doc.get("budgets") or []
-    if not isinstance(raw, list):
-        raise ConfigError("budgets: expected a list")
-    budgets = tuple(_budget(b, f"budgets[{i}]") for i, b in enumerate(raw))
-    ids = [b.budget_id for b in budgets]
-    if len(set(ids)) != len(ids):
-        raise ConfigError(
-            f"budgets: duplicate id(s) {sorted({i for i in ids if ids.count(i) > 1})}"
-        )
+    budgets = parse_budgets(raw)
     return MeterConfig(currency, _overhead(doc.get("overhead") or {}), budgets)
 
 
-def _keys(d: Any, allowed: set[str], where: str) -> None:
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(allowed)}")
-
-
 def _overhead(d: Mapping[str, Any]) -> OverheadPolicy:
-    _keys(d, {"mode", "tenant", "costed_tiers"}, "overhead")
+    keys(d, {"mode", "tenant", "costed_tiers"}, "overhead")
     try:
         mode = OverheadMode(d.get("mode", "showback"))
     except ValueError:
@@ -192,46 +158,4 @@ def _overhead(d: Mapping[str, Any]) -> OverheadPolicy:
     return OverheadPolicy(mode, str(d.get("tenant", "platform")), frozenset(map(str, tiers)))
 
 
-def _budget(d: Any, where: str) -> Budget:
-    _keys(
-        d,
-        {"id", "tenant", "project", "limit", "thresholds", "enforcement", "deprioritize_weight"},
-        where,
-    )
-    if not d.get("tenant"):
-        raise ConfigError(f"{where}.tenant: required")
-    limit = d.get("limit")
-    if not isinstance(limit, Mapping) or len(limit) != 1:
-        raise ConfigError(
-            f"{where}.limit: expected one of {{accelerator_hours: N}}, {{currency: N}}"
-        )
-    ((unit_name, amount),) = limit.items()
-    try:
-        unit = BudgetUnit(unit_name)
-        enforcement = Enforcement(d.get("enforcement", "notify"))
-        value = _positive(amount, f"{where}.limit.{unit_name}")
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    thresholds = tuple(
-        sorted(_positive(t, f"{where}.thresholds") for t in d.get("thresholds", [50, 80, 100]))
-    )
-    project = d.get("project")
-    tenant = str(d["tenant"])
-    return Budget(
-        budget_id=str(d.get("id") or (f"{tenant}/{project}" if project else tenant)),
-        tenant=tenant,
-        project=str(project) if project else None,
-        unit=unit,
-        limit=value,
-        thresholds=thresholds,
-        enforcement=enforcement,
-        weight_factor=_positive(d.get("deprioritize_weight", 0.5), f"{where}.deprioritize_weight"),
-    )
-
-
-def _positive(value: Any, where: str) -> Decimal:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{where}: must be positive, got {value!r}")
-    return Decimal(str(value))
+__all__ = ["Budget", "ConfigError", "MeterConfig", "parse_config"]

@@ -1,0 +1,1 @@
+"""The web dashboard the gateway serves at /ui: docs/dashboard.md."""
