@@ -153,10 +153,12 @@ def service_plan(
                 {"QM_EDGE_FLEET": fleet},
             )
         )
-    # The dashboard's scheduler health page reads every other service's /metrics.
-    plan[0].extra_env["QM_METRICS_TARGETS"] = ",".join(
-        f"{s.name}=http://127.0.0.1:{s.port}/metrics" for s in plan[1:]
-    )
+    # The dashboard's scheduler health page and the health service's SLO evaluator read
+    # every other service's /metrics (each reads its own registry directly).
+    for reader in (s for s in plan if s.name in ("gateway", "health")):
+        reader.extra_env["QM_METRICS_TARGETS"] = ",".join(
+            f"{s.name}=http://127.0.0.1:{s.port}/metrics" for s in plan if s is not reader
+        )
     return plan
 
 

@@ -1,5 +1,5 @@
 """The events announcing a set of decisions: node.unhealthy / node.recovered keyed by node,
-alert.raised keyed by its subject (node or cluster)."""
+alert.raised keyed by its subject (node, cluster, or slo/<name> for an SLO breach)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from schemas import topics
 from schemas.health import AlertRaised, NodeRecovered, NodeUnhealthy
 from services.common.kafka import OutMessage, envelope_for
 from services.health.book import Changes
+from services.health.burn import Breach
 
 PRODUCER = "health"
 
@@ -53,6 +54,21 @@ def messages_for(changes: Changes) -> list[OutMessage]:
         )
         out.append(_message(topics.NODE_RECOVERED, node.node_id, "NodeRecovered", recovered))
     return out
+
+
+def slo_alert(breach: Breach) -> OutMessage:
+    """The one alert of an SLO breach: about the platform, so no node and no cluster."""
+    alert = AlertRaised(
+        alert_id=breach.breach_id,
+        severity=breach.severity,
+        subject=breach.subject,
+        cluster="",
+        cause=breach.cause,
+        suggested_action=breach.suggested_action,
+        first_seen=breach.opened_at,
+        count=breach.count,
+    )
+    return _message(topics.ALERT_RAISED, breach.subject, "AlertRaised", alert)
 
 
 def _message(topic: str, key: str, event_type: str, payload: object) -> OutMessage:

@@ -15,5 +15,10 @@ class HealthSettings(ServiceSettings):
     unhealthy_after_s: float | None = None
     min_quarantine_s: float | None = None
     clean_period_s: float | None = None
+    # SLOs (docs/slo.md): evaluated only when there are metrics targets to read,
+    # `name=url,...` as the gateway's dashboard takes them (the dev stack passes both).
+    slo_file: Path = REPO_ROOT / "examples" / "slo.yaml"
+    slo_eval_every_s: float = 15.0
+    metrics_targets: str = ""
     # Heartbeats are not on any job's critical path: poll the broker less eagerly.
     fetch_max_wait_ms: int = 100

@@ -1,6 +1,6 @@
-"""The health service's PostgreSQL schema `health`: node states, incidents and the straggler
-detector's job tracks (plus the outbox and processed events of services.common.outbox). Writes
-are batched upserts."""
+"""The health service's PostgreSQL schema `health`: node states, incidents, the straggler
+detector's job tracks and SLO breaches (plus the outbox and processed events of
+services.common.outbox). Writes are batched upserts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import asyncpg
 
 from schemas.health import Severity
 from services.health.book import Changes, HealthBook, Incident
+from services.health.burn import Breach, Decisions
 from services.health.machine import NodeHealth, NodeState, Signal
 from services.health.pace import NodeWindow, Track
 
@@ -187,3 +188,48 @@ def _track(r: asyncpg.Record) -> Track:
         for d in json.loads(r["nodes"])
     )
     return Track(r["job_id"], r["attempt"], r["cluster"], r["last_at"], windows)
+
+
+async def open_breaches(conn: asyncpg.Connection) -> list[Breach]:
+    rows = await conn.fetch("SELECT * FROM health.slo_breaches WHERE closed_at IS NULL")
+    return [_breach(r) for r in rows]
+
+
+async def save_breaches(conn: asyncpg.Connection, decisions: Decisions) -> set[str]:
+    """Close the ended breaches and open the new ones; returns the ids of those opened (a
+    breach of an SLO level that is already open in the store is not opened again)."""
+    if decisions.closed:
+        await conn.executemany(
+            "UPDATE health.slo_breaches SET closed_at = $2 WHERE breach_id = $1",
+            [(b.breach_id, b.closed_at) for b in decisions.closed],
+        )
+    fresh: set[str] = set()
+    for b in decisions.opened:
+        row = await conn.fetchrow(
+            "INSERT INTO health.slo_breaches (breach_id, slo, level, severity, "
+            "suggested_action, opened_at, count) VALUES ($1, $2, $3, $4, $5, $6, $7) "
+            "ON CONFLICT DO NOTHING RETURNING breach_id",
+            b.breach_id,
+            b.slo,
+            b.level,
+            b.severity.value,
+            b.suggested_action,
+            b.opened_at,
+            b.count,
+        )
+        if row is not None:
+            fresh.add(row["breach_id"])
+    return fresh
+
+
+def _breach(r: asyncpg.Record) -> Breach:
+    return Breach(
+        breach_id=r["breach_id"],
+        slo=r["slo"],
+        level=r["level"],
+        severity=Severity(r["severity"]),
+        suggested_action=r["suggested_action"],
+        opened_at=r["opened_at"],
+        count=r["count"],
+        closed_at=r["closed_at"],
+    )

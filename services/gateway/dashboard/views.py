@@ -18,12 +18,13 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import generate_latest
 
 from schemas.job import JobState
+from services.common import scrape
 from services.common.budgetfile import Budget, ConfigError, parse_budgets
 from services.common.policyfile import read_yaml
 from services.gateway import fleet, queues, store, usage
 from services.gateway.auth import Role
 from services.gateway.context import Gateway
-from services.gateway.dashboard import live, queries, scrape
+from services.gateway.dashboard import live, queries
 from services.gateway.dashboard.queries import BadQuery, JobQuery
 from services.gateway.dashboard.render import STATIC, environment
 from services.gateway.dashboard.session import COOKIE, Sessions, Viewer

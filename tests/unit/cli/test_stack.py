@@ -51,9 +51,14 @@ def test_one_executor_per_cluster_of_the_fleet(tmp_path: Path) -> None:
     assert plan[0].port == 8123 and len({s.port for s in plan}) == len(plan)
     assert plan[-1].extra_env == {"QM_EXECUTOR_CLUSTER": "b/c"}
     assert plan[-1].log == tmp_path / "executor-b_c.log"
-    # The gateway's dashboard reads every other service's /metrics.
-    targets = plan[0].extra_env["QM_METRICS_TARGETS"].split(",")
-    assert targets == [f"{s.name}=http://127.0.0.1:{s.port}/metrics" for s in plan[1:]]
+    # The gateway's dashboard and the health service's SLO evaluator read every other
+    # service's /metrics.
+    for reader in ("gateway", "health"):
+        [me] = [s for s in plan if s.name == reader]
+        targets = me.extra_env["QM_METRICS_TARGETS"].split(",")
+        assert targets == [
+            f"{s.name}=http://127.0.0.1:{s.port}/metrics" for s in plan if s.name != reader
+        ]
 
 
 def test_example_files_give_clusters_and_a_user_token() -> None:

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.requests import Request
 
+from services.common import scrape
 from services.gateway.auth import Principal, Role
-from services.gateway.dashboard import scrape
 from services.gateway.dashboard.queries import (
     BadQuery,
     JobQuery,

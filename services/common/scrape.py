@@ -1,6 +1,6 @@
-"""Reading the services' own /metrics for the scheduler health page: each target's samples,
-fetched concurrently with a short timeout, so one slow or dead service shows as such and the
-page still answers."""
+"""Reading the services' own /metrics (the gateway's scheduler health page, the health
+service's SLO evaluator): each target's samples, fetched concurrently with a short timeout, so
+one slow or dead service shows as such and the reader still answers."""
 
 from __future__ import annotations
 
