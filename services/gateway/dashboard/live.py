@@ -1,25 +1,31 @@
 """Live updates for the dashboard over server-sent events, batched a few times a second.
 
 The projector announces every batch's changed jobs on one Redis channel (handlers.
-CHANGES_CHANNEL). Each open page holds one stream that listens to it and sends, at most every
-BATCH_S:
+CHANGES_CHANNEL). A gateway process holds one subscription to it (ChangeHub) and hands each
+message to every open page's stream, which sends, at most every BATCH_S:
 - the jobs table: the changed cells of rows already on the page (rows keep their place), and
   a count of other matching jobs that changed, for a "N changes, apply" banner;
-- a job's page: its new history lines and its header;
+- a job's page (its own Redis channel, as `qm watch`): its new history lines and its header;
 - every other view: a `changed` event, on which the view reloads itself.
-A stream whose Redis goes away ends; the page's EventSource reconnects by itself.
+Redis going away ends the hub's subscription until it answers again (the pages see nothing
+meanwhile; a reload shows the truth); a page's EventSource reconnects by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
+import structlog
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from jinja2 import Environment
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from services.gateway import store
 from services.gateway.context import Gateway
@@ -27,9 +33,15 @@ from services.gateway.dashboard import queries
 from services.gateway.dashboard.queries import JobQuery
 from services.gateway.handlers import CHANGES_CHANNEL, feed_channel
 
+log = structlog.get_logger()
+
 BATCH_S = 0.3  # at most ~3 updates a second per page
 KEEP_ALIVE_S = 15.0
 MAX_IDS_PER_BATCH = 500  # a burst beyond this is counted, not looked up row by row
+QUEUE_LIMIT = 256  # messages a slow page may fall behind before the oldest are dropped
+RETRY_S = 2.0
+
+Next = Callable[[float], Awaitable[Any | None]]  # the next message within a timeout, or None
 
 
 def sse(event: str, data: str) -> str:
@@ -45,48 +57,126 @@ def sse_response(stream: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
+class ChangeHub:
+    """One subscription to the changes channel per gateway process, fanned out to the open
+    pages (each has a bounded queue: a page that cannot keep up loses its oldest messages,
+    never holds the others back). Subscribes while some page listens."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.queues: set[asyncio.Queue[Any]] = set()
+        self.task: asyncio.Task[None] | None = None
+        self.dropped = 0
+
+    @contextlib.contextmanager
+    def listen(self) -> Iterator[asyncio.Queue[Any]]:
+        queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_LIMIT)
+        self.queues.add(queue)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            yield queue
+        finally:
+            self.queues.discard(queue)
+
+    def deliver(self, data: Any) -> None:
+        for queue in self.queues:
+            if queue.full():
+                queue.get_nowait()
+                self.dropped += 1
+            queue.put_nowait(data)
+
+    async def _run(self) -> None:
+        while self.queues:
+            try:
+                await self._follow()
+            except (RedisError, OSError) as exc:
+                log.warning("dashboard live feed: Redis unavailable", error=str(exc))
+                await asyncio.sleep(RETRY_S)
+
+    async def _follow(self) -> None:
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(CHANGES_CHANNEL)
+            while self.queues:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is not None:
+                    self.deliver(msg["data"])
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+def hub(request: Request, gw: Gateway) -> ChangeHub:
+    """The gateway process's hub (made on first use)."""
+    state = request.app.state
+    if getattr(state, "change_hub", None) is None:
+        state.change_hub = ChangeHub(gw.redis)
+    return state.change_hub  # type: ignore[no-any-return]
+
+
 async def _batches(
-    gw: Gateway,
-    request: Request,
-    channels: Iterable[str],
-    prime: bool = False,
-    idle_s: float = KEEP_ALIVE_S,
+    request: Request, next_message: Next, prime: bool = False, idle_s: float = KEEP_ALIVE_S
 ) -> AsyncIterator[list[Any] | None]:
-    """Messages from these channels gathered over BATCH_S after the first arrives; None
-    after every `idle_s` of silence. Ends when the client goes away. With `prime`, an empty
-    batch first, once subscribed (to catch up on what happened before)."""
-    pubsub = gw.redis.pubsub()
-    await pubsub.subscribe(*channels)
-    try:
-        if prime:
-            yield []
+    """Messages gathered over BATCH_S after the first arrives; None after every `idle_s` of
+    silence. Ends when the client goes away. With `prime`, an empty batch first (to catch up
+    on what happened before the subscription)."""
+    if prime:
+        yield []
+    quiet_since = time.monotonic()
+    while not await request.is_disconnected():
+        msg = await next_message(1.0)
+        if msg is None:
+            if time.monotonic() - quiet_since >= idle_s:
+                quiet_since = time.monotonic()
+                yield None
+            continue
+        batch = [msg]
+        deadline = time.monotonic() + BATCH_S
+        while (left := deadline - time.monotonic()) > 0:
+            more = await next_message(left)
+            if more is not None:
+                batch.append(more)
         quiet_since = time.monotonic()
-        while not await request.is_disconnected():
-            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-            if msg is None:
-                if time.monotonic() - quiet_since >= idle_s:
-                    quiet_since = time.monotonic()
-                    yield None
-                continue
-            batch = [msg]
-            deadline = time.monotonic() + BATCH_S
-            while (left := deadline - time.monotonic()) > 0:
-                more = await pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
-                if more is not None:
-                    batch.append(more)
-            quiet_since = time.monotonic()
-            yield batch
+        yield batch
+
+
+@contextlib.asynccontextmanager
+async def _changes(request: Request, gw: Gateway) -> AsyncIterator[Next]:
+    with hub(request, gw).listen() as queue:
+
+        async def next_message(wait_s: float) -> Any | None:
+            try:
+                return await asyncio.wait_for(queue.get(), wait_s)
+            except TimeoutError:
+                return None
+
+        yield next_message
+
+
+@contextlib.asynccontextmanager
+async def _channel(gw: Gateway, channel: str) -> AsyncIterator[Next]:
+    pubsub = gw.redis.pubsub()
+    await pubsub.subscribe(channel)
+    try:
+
+        async def next_message(wait_s: float) -> Any | None:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait_s)
+            return None if msg is None else msg["data"]
+
+        yield next_message
     finally:
-        await pubsub.unsubscribe()
-        await pubsub.aclose()
+        with contextlib.suppress(RedisError, OSError):
+            await pubsub.unsubscribe()
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 def _changed_jobs(batch: list[Any], tenant: str | None) -> dict[str, str]:
     """job_id -> state of the jobs a batch of change messages names, for one tenant or all."""
     out: dict[str, str] = {}
-    for msg in batch:
+    for data in batch:
         try:
-            items = json.loads(msg["data"])
+            items = json.loads(data)
         except (TypeError, ValueError):
             continue
         for item in items if isinstance(items, list) else ():
@@ -99,34 +189,45 @@ async def jobs_stream(
     gw: Gateway, request: Request, q: JobQuery, shown: list[str], env: Environment
 ) -> AsyncIterator[str]:
     """The jobs table: cells of shown rows as they change; a count of the rest."""
-    on_page = set(shown)
-    tenant = q.filters.get("tenant", (None,))[0] if len(q.filters.get("tenant", ())) == 1 else None
-    pending: set[str] = set()
-    cells = env.get_template("_job_cells.html")
-    banner = env.get_template("_banner.html")
+    table = _Table(gw, q, set(shown), env)
     yield ": connected\n\n"
-    async for batch in _batches(gw, request, [CHANGES_CHANNEL]):
-        if batch is None:
-            yield ": keep-alive\n\n"
-            continue
-        changed = _changed_jobs(batch, tenant)
-        if not changed:
-            continue
-        mine = [j for j in changed if j in on_page]
-        others = [j for j in changed if j not in on_page and j not in pending]
+    async with _changes(request, gw) as next_message:
+        async for batch in _batches(request, next_message):
+            if batch is None:
+                yield ": keep-alive\n\n"
+            elif (event := await table.update(batch)) is not None:
+                yield event
+
+
+class _Table:
+    """What one open jobs table shows, and what has changed beside it."""
+
+    def __init__(self, gw: Gateway, q: JobQuery, on_page: set[str], env: Environment) -> None:
+        self.gw = gw
+        self.q = q
+        self.on_page = on_page
+        tenants = q.filters.get("tenant", ())
+        self.tenant = tenants[0] if len(tenants) == 1 else None
+        self.pending: set[str] = set()  # matching jobs not on the page that changed
+        self.cells = env.get_template("_job_cells.html")
+        self.banner = env.get_template("_banner.html")
+
+    async def update(self, batch: list[Any]) -> str | None:
+        changed = _changed_jobs(batch, self.tenant)
+        mine = [j for j in changed if j in self.on_page]
+        others = [j for j in changed if j not in self.on_page and j not in self.pending]
         parts = []
         if mine:
-            rows = await queries.rows_by_id(gw.pool, q, mine)
-            parts += [cells.render(row=r) for r in rows]
+            rows = await queries.rows_by_id(self.gw.pool, self.q, mine)
+            parts += [self.cells.render(row=r) for r in rows]
         if others:
             if len(others) > MAX_IDS_PER_BATCH:
-                pending.update(others)  # too many to check: count them all
+                self.pending.update(others)  # too many to look up: count them all
             else:
-                matching = await queries.rows_by_id(gw.pool, q, others)
-                pending.update(r["job_id"] for r in matching)
-            parts.append(banner.render(count=len(pending)))
-        if parts:
-            yield sse("rows", "".join(parts))
+                matching = await queries.rows_by_id(self.gw.pool, self.q, others)
+                self.pending.update(r["job_id"] for r in matching)
+            parts.append(self.banner.render(count=len(self.pending)))
+        return sse("rows", "".join(parts)) if parts else None
 
 
 async def changes_stream(
@@ -137,11 +238,12 @@ async def changes_stream(
     that long without one: views of what jobs do not announce (node health) stay current."""
     yield ": connected\n\n"
     idle = every_s if every_s is not None else KEEP_ALIVE_S
-    async for batch in _batches(gw, request, [CHANGES_CHANNEL], idle_s=idle):
-        if batch is None:
-            yield sse("changed", str(int(time.time()))) if every_s else ": keep-alive\n\n"
-        elif _changed_jobs(batch, tenant):
-            yield sse("changed", str(int(time.time())))
+    async with _changes(request, gw) as next_message:
+        async for batch in _batches(request, next_message, idle_s=idle):
+            if batch is None:
+                yield sse("changed", str(int(time.time()))) if every_s else ": keep-alive\n\n"
+            elif _changed_jobs(batch, tenant):
+                yield sse("changed", str(int(time.time())))
 
 
 async def job_stream(
@@ -151,16 +253,18 @@ async def job_stream(
     line_t = env.get_template("_timeline_line.html")
     head_t = env.get_template("_job_head.html")
     yield ": connected\n\n"
-    async for batch in _batches(gw, request, [feed_channel(job_id)], prime=True):
-        if batch is None:
-            yield ": keep-alive\n\n"
-            continue
-        lines = [r for r in await store.history(gw.pool, job_id) if r["event_id"] not in seen]
-        if not lines:
-            continue
-        seen.update(r["event_id"] for r in lines)
-        html = "".join(line_t.render(line=dict(r)) for r in lines)
-        row = await store.get_job(gw.pool, job_id)
-        if row is not None:
-            html += head_t.render(job=dict(row), oob=True)
-        yield sse("line", html)
+    async with _channel(gw, feed_channel(job_id)) as next_message:
+        async for batch in _batches(request, next_message, prime=True):
+            if batch is None:
+                yield ": keep-alive\n\n"
+                continue
+            history = await store.history(gw.pool, job_id)
+            lines = [r for r in history if r["event_id"] not in seen]
+            if not lines:
+                continue
+            seen.update(r["event_id"] for r in lines)
+            html = "".join(line_t.render(line=dict(r)) for r in lines)
+            row = await store.get_job(gw.pool, job_id)
+            if row is not None:
+                html += head_t.render(job=dict(row), oob=True)
+            yield sse("line", html)

@@ -306,6 +306,16 @@ CSV_COLUMNS = (
 )
 
 
+def csv_cell(value: Any) -> Any:
+    """A value as a spreadsheet may safely open it: text that a spreadsheet would run as a
+    formula (a job named `=HYPERLINK(...)` by a careless or hostile user) gets a leading `'`."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
+
+
 @router.get("/jobs.csv")
 async def jobs_csv(request: Request) -> Response:
     who = viewer(request)
@@ -320,7 +330,7 @@ async def jobs_csv(request: Request) -> Response:
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(CSV_COLUMNS)
         async for row in queries.csv_rows(gw.pool, q):
-            writer.writerow(["" if row.get(c) is None else row.get(c) for c in CSV_COLUMNS])
+            writer.writerow([csv_cell(row.get(c)) for c in CSV_COLUMNS])
             if out.tell() > 64_000:
                 yield out.getvalue()
                 out.seek(0)

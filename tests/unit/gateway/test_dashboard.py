@@ -242,3 +242,51 @@ def test_the_vendored_scripts_are_the_published_ones() -> None:
     for path in files:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         assert f"| {path.name} |" in table and digest in table, path.name
+
+
+# --- live updates --------------------------------------------------------------------------
+
+
+def test_change_messages_are_read_defensively_and_scoped_to_a_tenant() -> None:
+    from services.gateway.dashboard.live import _changed_jobs
+
+    batch = [
+        '[["a", "vision", "running"], ["b", "nlp", "queued"]]',
+        "not json",
+        b"\xff\xfe",
+        '{"a": 1}',
+        '[["too", "short"], 7, null, ["c", "vision", "succeeded"]]',
+    ]
+    assert _changed_jobs(batch, None) == {"a": "running", "b": "queued", "c": "succeeded"}
+    assert _changed_jobs(batch, "vision") == {"a": "running", "c": "succeeded"}
+    assert _changed_jobs(batch, "speech") == {}
+
+
+async def test_the_hub_fans_out_and_a_slow_page_loses_only_its_oldest() -> None:
+    from services.gateway.dashboard.live import QUEUE_LIMIT, ChangeHub
+
+    class NoRedis:
+        def pubsub(self) -> None:
+            raise OSError("no Redis in a unit test")
+
+    hub = ChangeHub(NoRedis())  # type: ignore[arg-type]
+    with hub.listen() as fast, hub.listen() as slow:
+        for i in range(QUEUE_LIMIT + 5):
+            hub.deliver(str(i))
+            if i < 3:
+                assert fast.get_nowait() == str(i)
+        assert slow.qsize() == QUEUE_LIMIT and slow.get_nowait() == "5"
+        assert hub.dropped == 5 + 2  # fast fell behind too, after it stopped reading
+    assert hub.queues == set()
+    assert hub.task is not None
+    hub.task.cancel()
+
+
+def test_csv_cells_never_start_a_formula() -> None:
+    from services.gateway.dashboard.views import csv_cell
+
+    assert csv_cell('=HYPERLINK("http://evil")') == '\'=HYPERLINK("http://evil")'
+    for text in ("+1", "-2", "@SUM(A1)", "\tx", "\rx"):
+        assert str(csv_cell(text)).startswith("'")
+    assert csv_cell("train-8xh100") == "train-8xh100"
+    assert csv_cell(-2.5) == -2.5 and csv_cell(None) == ""
