@@ -23,6 +23,7 @@ from cli import jobs, render
 from cli import pools as pools_command
 from cli import robots as robots_command
 from cli import services as services_command
+from cli import traces as trace_command
 from cli import usage as usage_command
 from cli.client import state_dir
 from cli.errors import QmError, StackError
@@ -129,6 +130,9 @@ def up(
     keep_data: Annotated[
         bool, typer.Option(help="Keep the database even when the broker starts empty.")
     ] = False,
+    trace: Annotated[
+        bool, typer.Option(help="Write every job's trace under the state directory (qm trace).")
+    ] = True,
 ) -> None:
     """Start Kafka, PostgreSQL, Redis and every service; Ctrl-C stops everything."""
     from cli.stack import Stack
@@ -146,6 +150,7 @@ def up(
                 policy_file=_example(policy),
                 auth_file=_example(auth),
                 reset_database=False if keep_data else None,
+                trace=trace,
             )
     except KeyboardInterrupt:
         _fail("interrupted; everything started so far was stopped", 130)
@@ -320,6 +325,7 @@ app.command("pools")(pools_command.pools)
 fleet_command.register(app)
 services_command.register(app)
 robots_command.register(app)
+trace_command.register(app)
 app.add_typer(fault_app, name="fault")
 
 try:  # the simulator is optional: `qm` works without it (sim.cli defers its heavy imports)

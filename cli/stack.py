@@ -162,6 +162,16 @@ def service_plan(
     return plan
 
 
+def trace_dir(state_dir: Path) -> Path:
+    """Where a stack started with tracing on writes its spans (one JSON lines file each)."""
+    return state_dir / "traces"
+
+
+def _clear_traces(directory: Path) -> None:
+    for path in directory.glob("*.jsonl*"):
+        path.unlink(missing_ok=True)
+
+
 def _port_free(port: int) -> bool:
     import socket
 
@@ -210,12 +220,16 @@ class Stack:
         time_scale: float = 60.0,
         reset_database: bool | None = None,
         health_timeout: float = HEALTH_TIMEOUT_S,
+        trace: bool = False,
     ) -> Stack:
         """Start everything and return once every service answers /healthz.
 
         ``reset_database=None`` recreates the database when the broker is one we started:
         its log is empty, so the services' stored state would describe events that are gone.
         On any failure (or Ctrl-C) whatever was started is stopped before raising.
+
+        ``trace`` writes the services' spans under ``<state_dir>/traces`` (`qm trace`), unless
+        the environment already says where traces go (QM_TRACE_DIR, QM_OTLP_ENDPOINT).
         """
         files = {
             "QM_FLEET_FILE": fleet_file,
@@ -236,6 +250,9 @@ class Stack:
             robot_fleet_names(fleet_file),
         )
         environ = {**os.environ, **(env or {})}
+        if trace and not environ.get("QM_TRACE_DIR") and not environ.get("QM_OTLP_ENDPOINT"):
+            environ["QM_TRACE_DIR"] = str(trace_dir(state_dir))
+            _clear_traces(trace_dir(state_dir))  # each run's traces start clean, as its logs do
         stack = cls(state_dir, f"http://127.0.0.1:{gateway_port}", default_token(auth_file))
         try:
             stack._start_servers(environ, reset_database)

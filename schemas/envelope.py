@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -9,6 +10,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.bounds import MAX_RECORD_BYTES, Identifier, Name, WireError, parse_json, plain
 from schemas.ids import new_id
+
+# A W3C trace context `traceparent` (version 00): trace id, parent span id, flags.
+TRACEPARENT_PATTERN = r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+_TRACEPARENT = re.compile(TRACEPARENT_PATTERN)
+_ZERO_TRACE = "0" * 32
+_ZERO_SPAN = "0" * 16
+
+
+def valid_traceparent(value: object) -> bool:
+    """Whether `value` is a usable version-00 traceparent (all-zero ids are invalid)."""
+    return (
+        isinstance(value, str)
+        and len(value) == 55
+        and _TRACEPARENT.match(value) is not None
+        and value[3:35] != _ZERO_TRACE
+        and value[36:52] != _ZERO_SPAN
+    )
 
 
 def utcnow() -> datetime:
@@ -34,7 +52,22 @@ class Envelope(BaseModel):
     causation_id: Identifier | None = Field(
         default=None, description="event_id of the message that caused this one."
     )
+    traceparent: str | None = Field(
+        default=None,
+        pattern=TRACEPARENT_PATTERN,
+        description=(
+            "W3C trace context of the span that produced this message, when the producer "
+            "traces (docs/tracing.md); a value that is not a valid version-00 traceparent is "
+            "ignored, never refused."
+        ),
+    )
     payload: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("traceparent", mode="before")
+    @classmethod
+    def _usable_traceparent(cls, value: Any) -> Any:
+        # Tracing is advisory: a bad trace context must never dead-letter the event it rides on.
+        return value if valid_traceparent(value) else None
 
     @field_validator("tenant", mode="before")
     @classmethod

@@ -152,6 +152,8 @@ def own_stack(
             "QM_CLEAN_PERIOD_S": "2",
             # The schedulers compare their kept working set with a rebuilt one this often.
             "QM_WORKING_SET_CHECK_EVERY": "25",
+            # Every service writes its spans as JSON lines here (tests/e2e/test_tracing.py).
+            "QM_TRACE_DIR": str(workdir / "state" / "traces"),
         }
         stack = Stack.start(
             workdir / "state", gateway_port=infra.free_port(), env={**base, **env}, **start

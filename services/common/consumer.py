@@ -21,6 +21,7 @@ committed before its record's effect is durable. When the step fails, the failur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -260,6 +261,7 @@ class Consumers:
             batch_timeout_ms=wait,
             max_records=max_records or settings.max_batch_records,
             ack_policy=AckPolicy.MANUAL,
+            parser=_tolerate_headers,
             decoder=_leave_undecoded,
         )
         group = Group(self, group_id, handle, give_up)
@@ -451,6 +453,30 @@ class Group:
         self._failing_since = None
         self._alerted = False
         self.owner.metrics.stalled.labels(self.group_id).set(0)
+
+
+async def _tolerate_headers(records: Any, original: Callable[[Any], Awaitable[Any]]) -> Any:
+    """FastStream's batch parser decodes every header value as UTF-8: one record with a
+    non-UTF-8 or null header value (another platform's, or a hostile trace context) failed the
+    whole batch before any step saw it, and stopped its partition. Such values are handed on
+    made readable (undecodable bytes replaced, null as empty); batches without one are parsed
+    as they are, at no extra cost."""
+    try:
+        return await original(records)
+    except (UnicodeDecodeError, AttributeError):
+        return await original(tuple(_readable(r) for r in records))
+
+
+def _readable(record: Any) -> Any:
+    if not isinstance(record, ConsumerRecord) or all(
+        isinstance(value, bytes) and value.isascii() for _, value in record.headers or ()
+    ):
+        return record
+    headers = [
+        (name, value.decode("utf-8", "replace").encode() if isinstance(value, bytes) else b"")
+        for name, value in record.headers or ()
+    ]
+    return dataclasses.replace(record, headers=headers)
 
 
 async def _leave_undecoded(_message: Any) -> None:

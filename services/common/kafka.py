@@ -45,6 +45,8 @@ class OutMessage:
 
     def wire(self) -> Wire:
         headers = (("type", self.envelope.type), *self.headers)
+        if self.envelope.traceparent is not None:  # services.common.tracing
+            headers = (*headers, ("traceparent", self.envelope.traceparent))
         return self.topic, self.key, self.encode(), headers, self.partition
 
 

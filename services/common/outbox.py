@@ -26,10 +26,20 @@ from schemas import topics
 from services.common.deadletter import dead_letter_for_message, platform_alert
 from services.common.errors import describe, refused_for_good
 from services.common.kafka import OutMessage, send_each
+from services.common.tracing import traceparent_in
 
 log = structlog.get_logger()
 
 _NO_ID = 2**63 - 1  # above every bigserial id: nothing in flight
+
+# One message as the relay sends it: topic, key, event type, value, and its trace context
+# (services.common.tracing), which rides in the value's envelope and goes out as a header too.
+Row = tuple[str, str, str, bytes, str | None]
+
+
+def row_of(message: OutMessage) -> Row:
+    m = message
+    return m.topic, m.key, m.envelope.type, m.encode(), m.envelope.traceparent
 
 
 async def claim_events(conn: asyncpg.Connection, schema: str, event_ids: Sequence[str]) -> set[str]:
@@ -138,7 +148,7 @@ class OutboxRelay:
             self._inflight.update(staged.ids)
             self._wake.set()
 
-    async def _publish(self, messages: Sequence[tuple[str, str, str, bytes]]) -> None:
+    async def _publish(self, messages: Sequence[Row]) -> None:
         """Send `messages` and wait for the broker. A message the broker (or the producer)
         refuses for good, e.g. too large, leaves as a dead letter with an alert, so it cannot
         hold its batch-mates back; any other failure raises (all are tried again later)."""
@@ -157,19 +167,18 @@ class OutboxRelay:
         if retry:
             raise retry[0]
 
-    async def _send(
-        self, messages: Sequence[tuple[str, str, str, bytes]]
-    ) -> list[BaseException | None]:
+    async def _send(self, messages: Sequence[Row]) -> list[BaseException | None]:
         """The outcome of each message: None once the broker has it, else the error."""
         return await send_each(
             self._broker,
-            [(topic, key, value, (("type", kind),), None) for topic, key, kind, value in messages],
+            [
+                (topic, key, value, _headers(kind, trace), None)
+                for topic, key, kind, value, trace in messages
+            ],
         )
 
-    def _unpublishable(
-        self, message: tuple[str, str, str, bytes], exc: BaseException
-    ) -> list[tuple[str, str, str, bytes]]:
-        topic, key, event_type, value = message
+    def _unpublishable(self, message: Row, exc: BaseException) -> list[Row]:
+        topic, key, event_type, value, _trace = message
         error = describe(exc)
         producer = f"{self._schema}-outbox"
         log.error(
@@ -193,7 +202,7 @@ class OutboxRelay:
             producer=producer,
         )
         self.unpublishable += 1
-        return [(m.topic, m.key, m.envelope.type, m.encode()) for m in (letter, notice)]
+        return [row_of(m) for m in (letter, notice)]
 
     async def publish_committed(self) -> int:
         """Send what handlers staged, in commit order, then delete those rows."""
@@ -203,13 +212,7 @@ class OutboxRelay:
                 return 0
             ids = [i for st in queued for i in st.ids]
             try:
-                await self._publish(
-                    [
-                        (m.topic, m.key, m.envelope.type, m.encode())
-                        for st in queued
-                        for m in st.messages
-                    ]
-                )
+                await self._publish([row_of(m) for st in queued for m in st.messages])
                 try:
                     await self._pool.execute(
                         f'DELETE FROM "{self._schema}".outbox WHERE id = ANY($1::bigint[])', ids
@@ -264,11 +267,14 @@ class OutboxRelay:
                 return 0
             rows = sorted(rows, key=lambda r: r["id"])
             # The delete commits only once the broker has every message.
+            # Rows left by a crash or a failed publish: the trace context is read back from
+            # the stored envelope (no column for it; this path is rare).
+            values = {r["id"]: bytes(r["value"]) for r in rows if r["id"] not in self._sent}
             await self._publish(
                 [
-                    (r["topic"], r["key"], r["event_type"], bytes(r["value"]))
+                    (r["topic"], r["key"], r["event_type"], v, traceparent_in(v))
                     for r in rows
-                    if r["id"] not in self._sent
+                    if (v := values.get(r["id"])) is not None
                 ]
             )
             published += [r["id"] for r in rows]
@@ -292,3 +298,9 @@ class OutboxRelay:
             except Exception:
                 log.warning("outbox relay failed; will retry", exc_info=True)
                 await asyncio.sleep(0.2)
+
+
+def _headers(event_type: str, traceparent: str | None) -> tuple[tuple[str, str], ...]:
+    if traceparent is None:
+        return (("type", event_type),)
+    return (("type", event_type), ("traceparent", traceparent))

@@ -20,6 +20,7 @@ from services.common.errors import Failure, classify, describe
 from services.common.logging import configure_logging
 from services.common.settings import ServiceSettings
 from services.common.singleton import Singleton
+from services.common.tracing import Tracing
 
 log = structlog.get_logger()
 
@@ -42,8 +43,13 @@ class Runtime:
     singleton: Singleton | None = None
     # A singleton whose start-up failed starts afresh after this pause.
     start_retry_s: float = 2.0
+    # The process's traces (services.common.tracing), None when tracing is off.
+    tracing: Tracing | None = field(init=False, default=None)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: bool = False
+
+    def __post_init__(self) -> None:
+        self.tracing = Tracing.configure(self.name, self.settings)
 
     def on_startup(self, hook: Hook) -> Hook:
         self.startup.append(hook)
@@ -88,6 +94,8 @@ class Runtime:
                         log.warning("shutdown hook failed", hook=hook.__name__, exc_info=True)
             if self.singleton is not None:
                 await self.singleton.release()
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # writes what is queued
             log.info("service stopped")
 
     async def _start(self) -> None:

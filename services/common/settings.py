@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +43,9 @@ class ServiceSettings(BaseSettings):
     # Fleet (virtual) seconds per wall-clock second on the simulated fleet; 1 on a real one.
     # Durations in job specs and the policy are fleet seconds: a 600 s job runs 10 s at 60x.
     time_scale: float = 60.0
+    # Traces (docs/tracing.md): to an OTLP/HTTP collector when `otlp_endpoint` is set (e.g.
+    # http://otel-collector:4318), else as JSON lines under `trace_dir` (the dev stack sets it),
+    # else off. New traces are kept with this probability; a continued one follows its parent.
+    otlp_endpoint: str = ""
+    trace_dir: str = ""
+    trace_sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)

@@ -226,6 +226,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             time_scale=settings.time_scale,
             default_duration_s=settings.default_duration_s,
             backend=backend,
+            tracing=runtime.tracing,
         )
         elastic[0].changing = executor.changing
         await executor.restore()

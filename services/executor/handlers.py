@@ -34,6 +34,7 @@ from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
 from services.common.logging import bind_event
 from services.common.outbox import OutboxRelay
+from services.common.tracing import Hops, Tracing, hops, incoming
 from services.executor.backend import (
     Action,
     Backend,
@@ -77,8 +78,10 @@ class Executor:
         time_scale: float,
         default_duration_s: float,
         backend: Backend | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.cluster = cluster
+        self.tracing = tracing
         self.producer = f"executor/{cluster}"
         self._cluster_header = cluster.encode()
         self.book = book
@@ -157,11 +160,20 @@ class Executor:
         fences: list[LeaderFence] = []
         received, dead = decode_envelopes(records, consumer=self.producer, fences=fences)
         mine: list[tuple[Envelope, Any]] = []
+        traced = hops(self.tracing, "executor.start")  # a placement's trace goes on here
         for got in received:
             try:
                 item = PAYLOADS[got.record.topic].model_validate(got.envelope.payload)
                 if getattr(item, "cluster", self.cluster) == self.cluster:
                     mine.append((got.envelope, item))
+                    if isinstance(item, PlacementDecided):
+                        traced.open(
+                            got.envelope.event_id,
+                            incoming(got.record.headers, got.envelope),
+                            job_id=item.job_id,
+                            attempt=item.attempt,
+                            cluster=self.cluster,
+                        )
             except ValidationError as exc:
                 dead.append(dead_letter(got.record, str(exc), consumer=self.producer))
         fence = max((f.epoch for f in fences), default=0)
@@ -173,14 +185,15 @@ class Executor:
             if self._stale:
                 await self._reload()
             try:
-                await self._commit(mine, dead, fence)
+                with traced:
+                    await self._commit(mine, dead, fence, traced)
             except Exception:
                 # Memory may be ahead of the store: rebuild it from the store, then redeliver.
                 await self._reload()
                 raise
 
     async def _commit(
-        self, items: list[tuple[Envelope, Any]], dead: list[OutMessage], fence: int
+        self, items: list[tuple[Envelope, Any]], dead: list[OutMessage], fence: int, traced: Hops
     ) -> None:
         self._acts = []
         async with self.relay.transaction() as tx:
@@ -220,6 +233,7 @@ class Executor:
                 tombstones=tombs,
                 checkpointed=checkpointed,
             )
+            traced.stamp(out)
             tx.emit(out)
         self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
         await self.backend.act(self._acts)

@@ -117,7 +117,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         redis = Redis.from_url(settings.redis_url)
         holder["projector"] = Projector(pool, redis)
         app.state.usage = usage.UsageProjector(pool)
-        app.state.gateway = Gateway(settings, pool, redis, broker, policy, tokens)
+        app.state.gateway = Gateway(
+            settings, pool, redis, broker, policy, tokens, tracing=runtime.tracing
+        )
         consumers.probe = lambda: pool.fetchval("SELECT 1")
         runtime.background(consumers.committer.run_forever)
         await broker.start()

@@ -9,6 +9,7 @@ from faststream.kafka import KafkaBroker
 from redis.asyncio import Redis
 
 from core.policy import Policy
+from services.common.tracing import Tracing
 from services.gateway.auth import Principal
 from services.gateway.settings import GatewaySettings
 
@@ -21,3 +22,4 @@ class Gateway:
     broker: KafkaBroker
     policy: Policy
     tokens: dict[str, Principal]
+    tracing: Tracing | None = None  # None: tracing is off

@@ -81,7 +81,23 @@ async def submit_job(
         raise HTTPException(
             422, detail={"reason_code": rejection.reason.value, "message": rejection.message}
         )
+    if gw.tracing is None:
+        return await _submit(gw, spec, job_id, tenant, None, response)
+    # A job's trace starts here (docs/tracing.md); its first span ends once the broker has it.
+    with gw.tracing.started("gateway.submit", job_id=job_id, tenant=tenant) as traceparent:
+        return await _submit(gw, spec, job_id, tenant, traceparent, response)
+
+
+async def _submit(
+    gw: Gateway,
+    spec: JobSpec,
+    job_id: str,
+    tenant: str,
+    traceparent: str | None,
+    response: Response,
+) -> Submitted:
     env = envelope_for("JobSubmitted", spec, producer="gateway", tenant=tenant)
+    env.traceparent = traceparent
     line = EventLine(
         env.event_id,
         job_id,

@@ -50,7 +50,12 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
             runtime, broker, consumers, schema=store.SCHEMA, migrations=store.MIGRATIONS
         )
         state["processor"] = QueueProcessor(
-            pool, relay, policy, metrics, time_scale=settings.time_scale
+            pool,
+            relay,
+            policy,
+            metrics,
+            time_scale=settings.time_scale,
+            tracing=runtime.tracing,
         )
         await broker.start()
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from core.policy import Policy
 from schemas.events import JobPreempted, RunFailed
 from services.common.outbox import OutboxRelay
+from services.common.tracing import Tracing, hops
 from services.queue import store
 from services.queue.intake import LifecycleEvent, NewJob, read_batch
 from services.queue.planning import Plan, item_event_id, item_job_id, plan_batch
@@ -62,8 +63,10 @@ class QueueProcessor:
         policy: Policy,
         metrics: QueueMetrics,
         time_scale: float = 1.0,
+        tracing: Tracing | None = None,
     ) -> None:
         self.pool = pool
+        self.tracing = tracing
         self.relay = relay
         self.policy = policy
         self.metrics = metrics
@@ -72,7 +75,8 @@ class QueueProcessor:
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Plan:
         oldest = min(r.timestamp for r in records) / 1000 if records else time.time()
         self.metrics.wait.observe(max(0.0, time.time() - oldest))
-        with self.metrics.batch.time():
+        # A job's trace continues here, or starts here when its producer did not trace.
+        with self.metrics.batch.time(), hops(self.tracing, "queue.admit", root=True) as traced:
             items, dead = read_batch(records)
             seen: set[str] = set()
             unique = []
@@ -85,6 +89,16 @@ class QueueProcessor:
                 conn = tx.conn
                 fresh = await tx.claim([item_event_id(i) for i in unique])
                 todo = [i for i in unique if item_event_id(i) in fresh]
+                for i in todo:
+                    if isinstance(i, NewJob):
+                        spec = i.submission.spec
+                        traced.open(
+                            i.submission.envelope.event_id,
+                            i.traceparent,
+                            job_id=i.job_id,
+                            tenant=spec.tenant,
+                            queue=spec.queue,
+                        )
                 job_ids = {j for j in (item_job_id(i) for i in todo) if j}
                 await store.serialize_jobs(conn, job_ids)
                 records_by_id = await store.lock_jobs(conn, job_ids)
@@ -123,6 +137,7 @@ class QueueProcessor:
                 await store.add_history(conn, plan.history)
                 await store.add_rejections(conn, plan.rejections)
                 await store.add_early_cancels(conn, plan.early_cancels)
+                traced.stamp(plan.emits)
                 tx.emit([*dead, *plan.emits])
         self._count(plan, len(dead), len(unique) - len(todo))
         return plan

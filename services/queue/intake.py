@@ -32,6 +32,7 @@ from schemas.validation import (
 )
 from services.common.deadletter import dead_letter, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
+from services.common.tracing import incoming
 
 CONSUMER = "queue"
 
@@ -58,6 +59,7 @@ class NewJob:
     event_id: str
     job_id: str
     submission: Submission
+    traceparent: str | None = None  # the trace it continues (services.common.tracing)
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def _read_submission(record: ConsumerRecord[Any, Any]) -> Item:
     # A bare spec carries no event id: the record's coordinates stand in for one.
     event_id = identity if parsed.bare else parsed.envelope.event_id
     job_id = parsed.spec.job_id or identity
-    return NewJob(event_id, job_id, parsed)
+    return NewJob(event_id, job_id, parsed, incoming(record.headers, parsed.envelope))
 
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

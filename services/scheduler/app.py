@@ -23,6 +23,7 @@ from services.scheduler.leadership import Backoff, Leadership
 from services.scheduler.persist import Snapshots
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
+from services.scheduler.traces import Waiting
 from services.scheduler.working import WorkingSet
 
 NAME = "scheduler"
@@ -40,7 +41,11 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
     redis = Redis.from_url(settings.redis_url)
     lease = RedisLease(redis, settings.lease_name, holder, settings.lease_ttl_ms)
 
+    waiting = Waiting(runtime.tracing, state) if runtime.tracing is not None else None
+
     def on_records(records: list[Any]) -> None:
+        if waiting is not None:
+            waiting.note(records)
         apply_records(state, records, metrics)
         working.bound(state)
         if state.dirty:
@@ -56,7 +61,9 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         name=f"{NAME}-feed",
     )
     working = WorkingSet(verify_every=settings.working_set_check_every)
-    cycle = Cycle(state, policy, broker, metrics, holder, settings.time_scale, working)
+    cycle = Cycle(
+        state, policy, broker, metrics, holder, settings.time_scale, working, waiting=waiting
+    )
     leadership = Leadership(
         state=state,
         feed=feed,

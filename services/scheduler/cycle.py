@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import structlog
 from faststream.kafka import KafkaBroker
@@ -41,6 +42,9 @@ from services.scheduler.errors import PublishFailed
 from services.scheduler.handlers import PRODUCER, SchedulerMetrics
 from services.scheduler.state import SchedulerState
 from services.scheduler.working import WorkingSet
+
+if TYPE_CHECKING:
+    from services.scheduler.traces import Waiting
 
 log = structlog.get_logger()
 EXPLAIN_EVERY_S = 10.0
@@ -140,8 +144,11 @@ class Cycle:
         leader: str,
         time_scale: float = 1.0,
         working: WorkingSet | None = None,
+        waiting: Waiting | None = None,
     ) -> None:
         self.state = state
+        # Traced jobs waiting for a placement (traces.py); None when tracing is off.
+        self.waiting = waiting
         # The core's working set, kept from cycle to cycle (see working.py).
         self.working = working or WorkingSet()
         self.policy = policy
@@ -232,7 +239,13 @@ class Cycle:
         if not out:
             return []
         started = time.monotonic()
-        outcomes = await publish_each(self.broker, out)
+        if self.waiting is None:
+            outcomes = await publish_each(self.broker, out)
+        else:
+            traced = self.waiting.placing(decisions)
+            with traced:  # ended failed if the publish raises
+                outcomes = await publish_each(self.broker, out)
+                self.waiting.placed(traced, decisions, outcomes)
         took = time.monotonic() - started
         self.metrics.publish.observe(took)
         if took > 1.0:
