@@ -295,7 +295,10 @@ def top_frame(fleet: Mapping[str, Any], report: Mapping[str, Any], *, source: st
     waiting = [(t["tenant"], t["oldest_pending"]) for t in tenants if t.get("oldest_pending")]
     for tenant, job in sorted(waiting, key=lambda w: -float(w[1].get("waiting_s") or 0))[:5]:
         oldest.add_row(
-            job["job_id"], tenant, _duration(job.get("waiting_s")), ", ".join(job.get("codes", []))
+            job.get("job_id") or "(not yours to see)",
+            tenant,
+            _duration(job.get("waiting_s")),
+            ", ".join(job.get("codes", [])),
         )
     fits = Text("fits now  ")
     for f in fleet.get("fragmentation") or []:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-FETCH_TIMEOUT_S = 1.5
+FETCH_TIMEOUT_S = 1.5  # the whole fetch, not each read: a trickling target is cut off
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a /metrics page larger than this is refused, not buffered
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ def parse_targets(raw: str) -> list[tuple[str, str]]:
 
 
 def parse_metrics(text: str) -> list[Sample]:
+    """Samples of a Prometheus text page; a malformed page raises ValueError."""
     samples = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -66,14 +68,32 @@ async def scrape(targets: Iterable[tuple[str, str]]) -> list[Target]:
         async def one(name: str, url: str) -> Target:
             target = Target(name, url)
             try:
-                answer = await client.get(url)
-                answer.raise_for_status()
-                target.samples = parse_metrics(answer.text)
-            except (httpx.HTTPError, ValueError) as exc:
+                async with asyncio.timeout(FETCH_TIMEOUT_S):
+                    body = await _body(client, url)
+                target.samples = parse_metrics(body.decode("utf-8", errors="replace"))
+            except TimeoutError:
+                target.error = f"no answer within {FETCH_TIMEOUT_S:g} s"
+            except (httpx.HTTPError, ValueError, TooLarge) as exc:
                 target.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             return target
 
         return list(await asyncio.gather(*(one(n, u) for n, u in targets)))
+
+
+class TooLarge(Exception):
+    """A /metrics page over MAX_BODY_BYTES."""
+
+
+async def _body(client: httpx.AsyncClient, url: str) -> bytes:
+    async with client.stream("GET", url) as answer:
+        answer.raise_for_status()
+        chunks, size = [], 0
+        async for chunk in answer.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise TooLarge(f"over {MAX_BODY_BYTES:,} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -99,7 +119,12 @@ def histogram(target: Target, name: str, **labels: str) -> dict[str, float | Non
     """count, mean, p50, p99 of a histogram, summed over its other labels."""
     by_le: dict[float, float] = {}
     for s in target.values(f"{name}_bucket", **labels):
-        le = float(s.labels.get("le", "inf"))
+        try:
+            le = float(s.labels.get("le", "inf"))
+        except ValueError:
+            continue  # a bucket bound that is not a number: leave the bucket out
+        if math.isnan(le) or not math.isfinite(s.value) or s.value < 0:
+            continue
         by_le[le] = by_le.get(le, 0.0) + s.value
     count = target.total(f"{name}_count", **labels)
     total = target.total(f"{name}_sum", **labels)

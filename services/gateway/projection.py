@@ -168,6 +168,7 @@ class EventLine:
             "state": self.state.value if self.state else None,
             "reason_code": self.reason_code,
             "message": self.message,
+            "for_job": self.for_job,
         }
 
 

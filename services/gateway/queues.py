@@ -53,7 +53,7 @@ class WaitStats(BaseModel):
 
 
 class OldestPending(BaseModel):
-    job_id: str
+    job_id: str | None  # None: a job the caller may not read (finance sees every queue)
     submitted_at: datetime
     waiting_s: float
     codes: list[str]
@@ -121,7 +121,7 @@ async def queues_view(gw: Gateway, who: Principal, *, hours: float = 24.0) -> Qu
     states = await _jobs_by_state(gw, names, since)
     waits = await _waits(gw, names, since)
     received, given = await _preemptions(gw, names, since)
-    oldest = await _oldest(gw, names, now)
+    oldest = await _oldest(gw, names, now, who)
     tenants = []
     for s in ranked:
         rows = [r for r in pending if r["tenant"] == s.tenant]
@@ -236,7 +236,9 @@ async def _preemptions(
     return {r["tenant"]: r["n"] for r in received}, {r["tenant"]: r["n"] for r in given}
 
 
-async def _oldest(gw: Gateway, tenants: list[str], now: datetime) -> dict[str, OldestPending]:
+async def _oldest(
+    gw: Gateway, tenants: list[str], now: datetime, who: Principal
+) -> dict[str, OldestPending]:
     rows = await gw.pool.fetch(
         "SELECT DISTINCT ON (j.tenant) j.tenant, j.job_id, j.submitted_at, e.codes"
         " FROM gateway.jobs j LEFT JOIN gateway.explanations e USING (job_id)"
@@ -246,7 +248,7 @@ async def _oldest(gw: Gateway, tenants: list[str], now: datetime) -> dict[str, O
     )
     return {
         r["tenant"]: OldestPending(
-            job_id=r["job_id"],
+            job_id=r["job_id"] if who.can_read(r["tenant"]) else None,
             submitted_at=r["submitted_at"],
             waiting_s=max(0.0, (now - r["submitted_at"]).total_seconds()),
             codes=list(r["codes"] or [AWAITING_CYCLE]),

@@ -129,7 +129,7 @@ async def job_status(job_id: str, gw: GatewayDep, who: PrincipalDep) -> JobStatu
     row = await store.get_job(gw.pool, job_id)
     if row is None or not who.can_read(row["tenant"]):
         raise _not_found(job_id)
-    lines = await store.history(gw.pool, job_id)
+    lines = await store.history(gw.pool, job_id, who.can_read)
     return JobStatus(
         **{
             k: row[k]
@@ -152,7 +152,7 @@ async def job_status(job_id: str, gw: GatewayDep, who: PrincipalDep) -> JobStatu
         },
         nodes=list(row["nodes"] or []),
         spec=json.loads(row["spec"]) if row["spec"] else None,
-        history=[HistoryItem(**dict(r)) for r in lines],
+        history=[HistoryItem(**r) for r in lines],
     )
 
 
@@ -214,13 +214,13 @@ async def job_events(
     if row is None or not who.can_read(row["tenant"]):
         raise _not_found(job_id)
     if not follow:
-        lines = await store.history(gw.pool, job_id)
+        lines = await store.history(gw.pool, job_id, who.can_read)
         return Response(
-            json.dumps([HistoryItem(**dict(r)).model_dump(mode="json") for r in lines]),
+            json.dumps([HistoryItem(**r).model_dump(mode="json") for r in lines]),
             media_type="application/json",
         )
     return StreamingResponse(
-        event_stream(gw, job_id),
+        event_stream(gw, job_id, who.can_read),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )

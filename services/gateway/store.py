@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,12 +172,44 @@ async def get_job(pool: asyncpg.Pool, job_id: str) -> asyncpg.Record | None:
     )
 
 
-async def history(pool: asyncpg.Pool, job_id: str) -> list[asyncpg.Record]:
-    return await pool.fetch(
-        "SELECT event_id, job_id, at, type, state, reason_code, message FROM gateway.job_events"
-        " WHERE job_id = $1 ORDER BY at, event_id",
+async def history(
+    pool: asyncpg.Pool, job_id: str, can_read: Callable[[str], bool]
+) -> list[dict[str, Any]]:
+    """A job's history lines, as a reader who may read the tenants `can_read` accepts sees
+    them: a line about a preemption made for another tenant's job does not name that job."""
+    rows = await pool.fetch(
+        "SELECT event_id, job_id, at, type, state, reason_code, message, for_job"
+        " FROM gateway.job_events WHERE job_id = $1 ORDER BY at, event_id",
         job_id,
     )
+    return await redact(pool, [dict(r) for r in rows], can_read)
+
+
+OTHER_JOB = "another tenant's job"
+
+
+async def redact(
+    pool: asyncpg.Pool, lines: list[dict[str, Any]], can_read: Callable[[str], bool]
+) -> list[dict[str, Any]]:
+    """Lines whose `for_job` the reader may not read (or that the read model does not know)
+    lose that job's id from their message."""
+    others = {ln["for_job"] for ln in lines if ln.get("for_job")}
+    if not others:
+        return lines
+    owners = {
+        r["job_id"]: r["tenant"]
+        for r in await pool.fetch(
+            "SELECT job_id, tenant FROM gateway.jobs WHERE job_id = ANY($1::text[])", list(others)
+        )
+    }
+    for ln in lines:
+        other = ln.get("for_job")
+        if other and not (other in owners and can_read(owners[other])):
+            ln["for_job"] = None
+            if ln.get("message"):
+                ln["message"] = ln["message"].replace(f"job {other}", OTHER_JOB)
+                ln["message"] = ln["message"].replace(other, OTHER_JOB)
+    return lines
 
 
 async def list_jobs(

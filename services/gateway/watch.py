@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from schemas.job import JobState
 from services.gateway import store
@@ -18,13 +18,15 @@ def _sse(item: dict[str, object]) -> str:
     return f"data: {json.dumps(item, default=str)}\n\n"
 
 
-async def event_stream(gw: Gateway, job_id: str) -> AsyncIterator[str]:
+async def event_stream(
+    gw: Gateway, job_id: str, can_read: Callable[[str], bool]
+) -> AsyncIterator[str]:
     pubsub = gw.redis.pubsub()
     # Subscribe before reading history so nothing falls between the two.
     await pubsub.subscribe(feed_channel(job_id))
     try:
         seen: set[str] = set()
-        for row in await store.history(gw.pool, job_id):
+        for row in await store.history(gw.pool, job_id, can_read):
             item = {
                 k: row[k] for k in ("event_id", "job_id", "type", "state", "reason_code", "message")
             } | {"at": row["at"].isoformat()}
@@ -45,6 +47,8 @@ async def event_stream(gw: Gateway, job_id: str) -> AsyncIterator[str]:
             if item["event_id"] in seen:
                 continue
             seen.add(item["event_id"])
+            (item,) = await store.redact(gw.pool, [item], can_read)
+            item.pop("for_job", None)
             yield _sse(item)
             if item.get("state") in TERMINAL:
                 return

@@ -83,9 +83,8 @@ async def test_a_job_is_followed_live_in_the_table_and_on_its_page(
     row = page.locator(f"#job-{first}")
     await expect(row.locator(f"#c-{first}-state")).to_contain_text("running")
     await row.evaluate("el => { el.dataset.marker = 'kept'; }")
-    # The live stream is open before anything else happens.
-    await page.wait_for_function("() => document.querySelector('#live') !== null")
-    await asyncio.sleep(0.5)
+    # The live stream follows every change before anything else happens.
+    await page.wait_for_selector("body[data-live=ready]", state="attached")
 
     # A new job of this filter is not pushed into the table: a banner counts it.
     second = await submit(api, VISION, body(project, "second", seconds=600_000))

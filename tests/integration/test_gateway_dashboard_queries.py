@@ -144,3 +144,31 @@ async def test_queue_wait_and_position(pool: asyncpg.Pool) -> None:
     assert (await queries.queue_wait(pool, "nlp", T0 - timedelta(days=1)))["n"] == 0
     d = await pool.fetchrow("SELECT * FROM gateway.jobs WHERE job_id = 'd'")
     assert await queries.pending_position(pool, d) == {"tenant": 1, "all": 2}
+
+
+async def test_a_line_about_another_tenants_job_does_not_name_it(pool: asyncpg.Pool) -> None:
+    from services.gateway.store import OTHER_JOB, history
+
+    await pool.executemany(
+        "INSERT INTO gateway.jobs (job_id, tenant, state, submitted_at, updated_at)"
+        " VALUES ($1, $2, 'running', $3, $3)",
+        [("victim", "vision", T0), ("claimant", "nlp", T0), ("own", "vision", T0)],
+    )
+    await pool.executemany(
+        "INSERT INTO gateway.job_events (event_id, job_id, at, type, message, for_job)"
+        " VALUES ($1, 'victim', $2, 'JobCheckpointRequested', $3, $4)",
+        [
+            ("e1", T0, "asked to checkpoint to make room for job claimant (quota)", "claimant"),
+            ("e2", T0 + timedelta(seconds=1), "to make room for job own (fair)", "own"),
+            ("e3", T0 + timedelta(seconds=2), "to make room for job gone (x)", "gone"),
+        ],
+    )
+    as_vision = await history(pool, "victim", lambda tenant: tenant == "vision")
+    assert [ln["message"] for ln in as_vision] == [
+        f"asked to checkpoint to make room for {OTHER_JOB} (quota)",
+        "to make room for job own (fair)",  # its own tenant's job: named
+        f"to make room for {OTHER_JOB} (x)",  # unknown to the read model: not named
+    ]
+    assert [ln["for_job"] for ln in as_vision] == [None, "own", None]
+    as_admin = await history(pool, "victim", lambda tenant: True)
+    assert as_admin[0]["message"].endswith("job claimant (quota)")

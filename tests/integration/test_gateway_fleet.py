@@ -265,6 +265,14 @@ async def test_fleet_nodes_and_queues(
             assert by_tenant["vision"]["fair_share"] == pytest.approx(0.4)
             assert nlp["fair_share"] == pytest.approx(0.6) and nlp["actual_share"] == 0.5
             assert by_tenant["speech"]["fair_share"] is None
+            assert by_tenant["vision"]["oldest_pending"]["job_id"] == "j-vision-victim"
+            # Finance sees every queue, but not the ids of jobs it may not read.
+            as_finance = (
+                await client.get("/v1/queues", headers={"Authorization": "Bearer dev-finance"})
+            ).json()
+            seen = {t["tenant"]: t for t in as_finance["tenants"]}
+            assert seen["vision"]["oldest_pending"]["job_id"] is None
+            assert seen["vision"]["oldest_pending"]["waiting_s"] >= 0
 
             letters = await collect(
                 own_kafka,

@@ -22,7 +22,7 @@ from typing import Any
 
 import structlog
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from jinja2 import Environment
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -31,6 +31,7 @@ from services.gateway import store
 from services.gateway.context import Gateway
 from services.gateway.dashboard import queries
 from services.gateway.dashboard.queries import JobQuery
+from services.gateway.dashboard.session import Viewer
 from services.gateway.handlers import CHANGES_CHANNEL, feed_channel
 
 log = structlog.get_logger()
@@ -40,6 +41,8 @@ KEEP_ALIVE_S = 15.0
 MAX_IDS_PER_BATCH = 500  # a burst beyond this is counted, not looked up row by row
 QUEUE_LIMIT = 256  # messages a slow page may fall behind before the oldest are dropped
 RETRY_S = 2.0
+SUBSCRIBE_WAIT_S = 2.0  # how long a new stream waits for the hub's subscription
+MAX_STREAMS = 1000  # open live streams per gateway process (each job page holds a Redis link)
 
 Next = Callable[[float], Awaitable[Any | None]]  # the next message within a timeout, or None
 
@@ -49,9 +52,30 @@ def sse(event: str, data: str) -> str:
     return f"event: {event}\n{lines}\n"
 
 
-def sse_response(stream: AsyncIterator[str]) -> StreamingResponse:
+_open_streams = 0
+
+
+def sse_response(stream: AsyncIterator[str]) -> Response:
+    """The stream as server-sent events; a 503 beyond MAX_STREAMS open in this process (so
+    that open pages cannot exhaust Redis's connections; the page's EventSource retries)."""
+    if _open_streams >= MAX_STREAMS:
+        return Response(
+            "too many live views are open on this gateway; retrying shortly",
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
+
+    async def counted() -> AsyncIterator[str]:
+        global _open_streams
+        _open_streams += 1
+        try:
+            async for part in stream:
+                yield part
+        finally:
+            _open_streams -= 1
+
     return StreamingResponse(
-        stream,
+        counted(),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -67,6 +91,7 @@ class ChangeHub:
         self.queues: set[asyncio.Queue[Any]] = set()
         self.task: asyncio.Task[None] | None = None
         self.dropped = 0
+        self.subscribed = asyncio.Event()  # set while the subscription stands
 
     @contextlib.contextmanager
     def listen(self) -> Iterator[asyncio.Queue[Any]]:
@@ -98,11 +123,13 @@ class ChangeHub:
         pubsub = self.redis.pubsub()
         try:
             await pubsub.subscribe(CHANGES_CHANNEL)
+            self.subscribed.set()
             while self.queues:
                 msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                 if msg is not None:
                     self.deliver(msg["data"])
         finally:
+            self.subscribed.clear()
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
@@ -188,10 +215,17 @@ def _changed_jobs(batch: list[Any], tenant: str | None) -> dict[str, str]:
 async def jobs_stream(
     gw: Gateway, request: Request, q: JobQuery, shown: list[str], env: Environment
 ) -> AsyncIterator[str]:
-    """The jobs table: cells of shown rows as they change; a count of the rest."""
+    """The jobs table: cells of shown rows as they change; a count of the rest. Once the
+    subscription stands, the shown rows are sent once (what changed between the page's render
+    and the subscription), then `ready`."""
     table = _Table(gw, q, set(shown), env)
     yield ": connected\n\n"
     async with _changes(request, gw) as next_message:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(hub(request, gw).subscribed.wait(), SUBSCRIBE_WAIT_S)
+        if (event := await table.refresh_shown()) is not None:
+            yield event
+        yield sse("ready", "1")
         async for batch in _batches(request, next_message):
             if batch is None:
                 yield ": keep-alive\n\n"
@@ -208,9 +242,14 @@ class _Table:
         self.on_page = on_page
         tenants = q.filters.get("tenant", ())
         self.tenant = tenants[0] if len(tenants) == 1 else None
+        self.scope = JobQuery({"tenant": tenants} if tenants else {})
         self.pending: set[str] = set()  # matching jobs not on the page that changed
         self.cells = env.get_template("_job_cells.html")
         self.banner = env.get_template("_banner.html")
+
+    async def refresh_shown(self) -> str | None:
+        rows = await queries.rows_by_id(self.gw.pool, self.scope, sorted(self.on_page))
+        return sse("rows", "".join(self.cells.render(row=r) for r in rows)) if rows else None
 
     async def update(self, batch: list[Any]) -> str | None:
         changed = _changed_jobs(batch, self.tenant)
@@ -218,7 +257,9 @@ class _Table:
         others = [j for j in changed if j not in self.on_page and j not in self.pending]
         parts = []
         if mine:
-            rows = await queries.rows_by_id(self.gw.pool, self.q, mine)
+            # A shown row is updated even when it no longer matches the filter (a queued job
+            # on `?state=pending` that got placed says so in place); only the scope applies.
+            rows = await queries.rows_by_id(self.gw.pool, self.scope, mine)
             parts += [self.cells.render(row=r) for r in rows]
         if others:
             if len(others) > MAX_IDS_PER_BATCH:
@@ -247,7 +288,7 @@ async def changes_stream(
 
 
 async def job_stream(
-    gw: Gateway, request: Request, job_id: str, seen: set[str], env: Environment
+    gw: Gateway, request: Request, job_id: str, seen: set[str], env: Environment, who: Viewer
 ) -> AsyncIterator[str]:
     """One job's page: each history line not on the page yet, and its header after it."""
     line_t = env.get_template("_timeline_line.html")
@@ -258,12 +299,12 @@ async def job_stream(
             if batch is None:
                 yield ": keep-alive\n\n"
                 continue
-            history = await store.history(gw.pool, job_id)
+            history = await store.history(gw.pool, job_id, who.principal.can_read)
             lines = [r for r in history if r["event_id"] not in seen]
             if not lines:
                 continue
             seen.update(r["event_id"] for r in lines)
-            html = "".join(line_t.render(line=dict(r)) for r in lines)
+            html = "".join(line_t.render(line=r) for r in lines)
             row = await store.get_job(gw.pool, job_id)
             if row is not None:
                 html += head_t.render(job=dict(row), oob=True)

@@ -1,8 +1,8 @@
 """Who is looking at the dashboard: a signed session cookie from signing in with a token, or
 the API's bearer header.
 
-The cookie holds no token: it names the token by a digest, with an expiry, signed with the
-gateway's key (QM_UI_SESSION_SECRET). Each request maps the digest back to the auth file's
+The cookie holds no token: it names the token by a keyed digest, with an expiry, signed with
+the gateway's key (QM_UI_SESSION_SECRET). Each request maps the digest back to the auth file's
 tokens, so a token taken out of the auth file ends its sessions at the next restart. A form
 or a button that changes something (a bulk cancel) must also carry the session's CSRF token,
 which only a page of the dashboard can read; a bearer header needs none, since a browser never
@@ -23,10 +23,6 @@ from services.gateway.auth import Principal, authenticate
 
 COOKIE = "qm_session"
 CSRF_HEADER = "x-qm-csrf"
-
-
-def token_digest(token: str) -> str:
-    return hashlib.sha256(f"qm-ui:{token}".encode()).hexdigest()[:40]
 
 
 @dataclass(frozen=True)
@@ -50,8 +46,12 @@ class Sessions:
     def __init__(self, tokens: dict[str, Principal], secret: str, hours: float) -> None:
         self.key = secret.encode() if secret else secrets.token_bytes(32)
         self.ttl_s = int(hours * 3600)
-        self.by_digest = {token_digest(t): p for t, p in tokens.items()}
+        self.by_digest = {self._digest(t): p for t, p in tokens.items()}
         self.tokens = tokens
+
+    def _digest(self, token: str) -> str:
+        # Keyed: a cookie that leaks gives no way to test guesses of the token offline.
+        return hmac.new(self.key, f"token:{token}".encode(), hashlib.sha256).hexdigest()[:40]
 
     def _sign(self, payload: str) -> str:
         return hmac.new(self.key, payload.encode(), hashlib.sha256).hexdigest()
@@ -61,7 +61,7 @@ class Sessions:
         if token not in self.tokens:
             return None
         expires = int((now or time.time()) + self.ttl_s)
-        payload = f"{token_digest(token)}.{expires}"
+        payload = f"{self._digest(token)}.{expires}"
         return f"{payload}.{self._sign(payload)}"
 
     def read(self, value: str, now: float | None = None) -> Principal | None:

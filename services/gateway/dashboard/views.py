@@ -4,9 +4,11 @@ admin see every tenant; finance sees every tenant's cost)."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -373,7 +375,7 @@ async def job_detail(request: Request, job_id: str) -> HTMLResponse:
     row = await store.get_job(gw.pool, job_id)
     if row is None or not who.principal.can_read(row["tenant"]):
         return problem(request, who, 404, f"No job {job_id} visible to you.")
-    lines = await store.history(gw.pool, job_id)
+    lines = await store.history(gw.pool, job_id, who.principal.can_read)
     why = await explanation(gw, row)
     state = JobState(row["state"])
     position = (
@@ -396,7 +398,7 @@ async def job_detail(request: Request, job_id: str) -> HTMLResponse:
         "job.html",
         "jobs",
         job=dict(row),
-        lines=[dict(r) for r in lines],
+        lines=lines,
         why=why,
         position=position,
         costs=costs,
@@ -492,11 +494,29 @@ async def cost_csv(request: Request, by: str = "tenant", window: str = "month") 
 # --- scheduler health ---------------------------------------------------------------------
 
 
+SCRAPE_TTL_S = 5.0  # open scheduler pages share one scrape of the services this long
+
+
+async def _scraped(request: Request, gw: Gateway) -> list[scrape.Target]:
+    """The services' metrics, scraped at most once per SCRAPE_TTL_S however many pages ask
+    (each scrape makes every service render its /metrics on its event loop)."""
+    state = request.app.state
+    if getattr(state, "scrape_lock", None) is None:
+        state.scrape_lock = asyncio.Lock()
+        state.scraped = (0.0, [])
+    async with state.scrape_lock:
+        at, targets = state.scraped
+        if time.monotonic() - at >= SCRAPE_TTL_S:
+            targets = await scrape.scrape(scrape.parse_targets(gw.settings.metrics_targets))
+            state.scraped = (time.monotonic(), targets)
+    return list(targets)
+
+
 @router.get("/scheduler")
 async def scheduler_health(request: Request) -> HTMLResponse:
     who = viewer(request)
     gw = _gw(request)
-    targets = await scrape.scrape(scrape.parse_targets(gw.settings.metrics_targets))
+    targets = list(await _scraped(request, gw))
     runtime = request.app.state.runtime
     own = scrape.Target("gateway", "(this process)")
     own.samples = scrape.parse_metrics(generate_latest(runtime.registry).decode())
@@ -507,7 +527,9 @@ async def scheduler_health(request: Request) -> HTMLResponse:
     publish = scrape.histogram(sched, "qm_scheduler_publish_seconds") if sched else None
     services = []
     for t in targets:
-        groups = sorted({s.labels["group"] for s in t.values("qm_consumer_batch_seconds_count")})
+        groups = sorted(
+            {g for s in t.values("qm_consumer_batch_seconds_count") if (g := s.labels.get("group"))}
+        )
         services.append(
             {
                 "name": t.name,
@@ -526,16 +548,22 @@ async def scheduler_health(request: Request) -> HTMLResponse:
                 ],
             }
         )
+    # The read model's counts are scoped like every other view: a researcher's own tenant.
+    tenant = scope(who)
     pending = await gw.pool.fetch(
         "SELECT code, count(*) AS n FROM gateway.explanations x"
         " JOIN gateway.jobs j USING (job_id), unnest(x.codes) AS code"
-        " WHERE j.state = ANY($1::text[]) GROUP BY code ORDER BY n DESC",
+        " WHERE j.state = ANY($1::text[]) AND ($2::text IS NULL OR j.tenant = $2)"
+        " GROUP BY code ORDER BY n DESC",
         list(queries.PENDING),
+        tenant,
     )
     preemptions = await gw.pool.fetch(
-        "SELECT coalesce(reason_code, 'unknown') AS reason, count(*) AS n"
-        " FROM gateway.job_events WHERE type = 'JobPreempted' AND at > now() - interval '24 hours'"
-        " GROUP BY 1 ORDER BY n DESC"
+        "SELECT coalesce(e.reason_code, 'unknown') AS reason, count(*) AS n"
+        " FROM gateway.job_events e JOIN gateway.jobs j USING (job_id)"
+        " WHERE e.type = 'JobPreempted' AND e.at > now() - interval '24 hours'"
+        " AND ($1::text IS NULL OR j.tenant = $1) GROUP BY 1 ORDER BY n DESC",
+        tenant,
     )
     return page(
         request,
@@ -585,4 +613,5 @@ async def live_job(request: Request, job_id: str) -> Response:
     if row is None or not who.principal.can_read(row["tenant"]):
         raise HTTPException(404, detail=f"no job {job_id} visible to you")
     since = request.query_params.get("seen", "")
-    return live.sse_response(live.job_stream(gw, request, job_id, set(since.split(",")), ENV))
+    stream = live.job_stream(gw, request, job_id, set(since.split(",")), ENV, who)
+    return live.sse_response(stream)

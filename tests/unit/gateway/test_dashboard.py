@@ -3,10 +3,12 @@ page cursors, reading services' metrics, and the numbers people read."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -290,3 +292,58 @@ def test_csv_cells_never_start_a_formula() -> None:
         assert str(csv_cell(text)).startswith("'")
     assert csv_cell("train-8xh100") == "train-8xh100"
     assert csv_cell(-2.5) == -2.5 and csv_cell(None) == ""
+
+
+async def _serve(handler: Any) -> tuple[Any, str]:
+    import asyncio
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/metrics"
+
+
+async def test_a_trickling_or_huge_metrics_page_is_cut_off() -> None:
+    import asyncio
+
+    async def trickle(reader: Any, writer: Any) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            while True:  # a byte now and then, forever: no read ever times out
+                writer.write(b"#")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+    async def huge(reader: Any, writer: Any) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n")
+        line = b"qm_x_total 1\n" * 10_000
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):  # 13 MB
+                writer.write(line)
+                await writer.drain()
+
+    slow, slow_url = await _serve(trickle)
+    big, big_url = await _serve(huge)
+    try:
+        slow_t, big_t = await scrape.scrape([("slow", slow_url), ("big", big_url)])
+    finally:
+        for s in (slow, big):
+            s.close()
+    assert slow_t.error is not None and "no answer within" in slow_t.error
+    assert big_t.error is not None and "TooLarge" in big_t.error
+    assert slow_t.samples == [] and big_t.samples == []
+
+
+def test_odd_histogram_samples_are_left_out() -> None:
+    text = (
+        "# TYPE h histogram\n"
+        'h_bucket{le="0.1"} 5\n'
+        'h_bucket{le="abc"} 7\n'
+        'h_bucket{le="NaN"} 7\n'
+        'h_bucket{le="+Inf"} 10\n'
+        "h_count 10\nh_sum 2\n"
+    )
+    samples = scrape.parse_metrics(text)
+    h = scrape.histogram(scrape.Target("t", "u", samples), "h")
+    assert h["count"] == 10 and h["p50"] == pytest.approx(0.1)

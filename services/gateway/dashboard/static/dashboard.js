@@ -36,6 +36,11 @@
     });
   });
 
+  // The jobs table's stream says `ready` once it follows every change (tests wait for it).
+  document.addEventListener("htmx:sseMessage", function (event) {
+    if (event.detail && event.detail.type === "ready") { document.body.dataset.live = "ready"; }
+  });
+
   // Views other than the jobs table reload themselves when something they show changed,
   // at most every two seconds.
   var last = 0;
