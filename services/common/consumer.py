@@ -171,12 +171,63 @@ class LagBook:
         Partitions no longer assigned (taken by a rebalance) are forgotten."""
         if not isinstance(consumer, AIOKafkaConsumer) or not records:
             return  # FastStream's in-memory test broker has no watermarks
-        self._lag.update(partition_lag(records, consumer.highwater))
+        self.note_last(consumer, last_offsets(records))
+
+    def note_last(self, consumer: Any, last: dict[TopicPartition, int]) -> None:
+        """`note`, given the last offset the batch read from each of its partitions."""
+        if not isinstance(consumer, AIOKafkaConsumer) or not last:
+            return
+        self._lag.update(lag_behind(last, consumer.highwater))
         assigned = consumer.assignment()
         for tp in [tp for tp in self._lag if tp not in assigned]:
             del self._lag[tp]
         for topic, lag in lag_by_topic(self._lag).items():
             self._gauge.labels(self._group, topic).set(lag)
+
+
+def partition_runs(
+    records: Sequence[ConsumerRecord[Any, Any]],
+) -> list[tuple[ConsumerRecord[Any, Any], ConsumerRecord[Any, Any]]]:
+    """The first and last record of each partition in a batch laid out as a fetch returns
+    it: each partition's records together, in offset order (FastStream's batch is getmany's
+    per-partition lists one after the other). Each run's end is found by bisection, so this
+    reads O(partitions x log records) records, not every one. (A partition whose records were
+    not together would show as more than one run: callers combine them.)"""
+    runs = []
+    start, n = 0, len(records)
+    while start < n:
+        first = records[start]
+        topic, partition = first.topic, first.partition
+        lo, hi = start, n - 1  # records[lo] is in the run
+        end = records[hi]
+        if end.partition != partition or end.topic != topic:
+            while hi - lo > 1:  # records[hi] is past the run
+                mid = (lo + hi) // 2
+                r = records[mid]
+                if r.partition == partition and r.topic == topic:
+                    lo = mid
+                else:
+                    hi = mid
+            hi = lo
+        runs.append((first, records[hi]))
+        start = hi + 1
+    return runs
+
+
+def last_offsets(records: Sequence[ConsumerRecord[Any, Any]]) -> dict[TopicPartition, int]:
+    """The highest offset of each partition in a batch (see `partition_runs`)."""
+    out: dict[TopicPartition, int] = {}
+    for _, last in partition_runs(records):
+        tp = TopicPartition(last.topic, last.partition)
+        out[tp] = max(out.get(tp, -1), last.offset)
+    return out
+
+
+def oldest_timestamp_ms(records: Sequence[ConsumerRecord[Any, Any]]) -> int:
+    """The broker timestamp of a non-empty batch's oldest record: the earliest of each
+    partition's first record (a partition's records are in time order: exactly with broker
+    timestamps, within the producers' clock skew with theirs)."""
+    return int(min(first.timestamp for first, _ in partition_runs(records)))
 
 
 def partition_lag(
@@ -185,14 +236,15 @@ def partition_lag(
     """Records behind the high watermark in each partition of `records`, counted from the
     last record of the partition in the batch; partitions whose watermark is not known yet
     are left out."""
-    # A fetch returns each partition's records in offset order: the last one seen is the
-    # highest. Keyed by plain tuples, one TopicPartition per partition (this runs per record).
-    last: dict[tuple[str, int], int] = {}
-    for r in records:
-        last[(r.topic, r.partition)] = r.offset
+    return lag_behind(last_offsets(records), highwater)
+
+
+def lag_behind(
+    last: dict[TopicPartition, int], highwater: Callable[[TopicPartition], int | None]
+) -> dict[TopicPartition, int]:
+    """Records behind the high watermark of each partition read up to offset `last[tp]`."""
     out = {}
-    for (topic, partition), offset in last.items():
-        tp = TopicPartition(topic, partition)
+    for tp, offset in last.items():
         mark = highwater(tp)
         if mark is not None:
             out[tp] = max(0, mark - offset - 1)
@@ -300,7 +352,7 @@ class Group:
         started = time.monotonic()
         metrics = self.owner.metrics
         if records:
-            oldest = min(r.timestamp for r in records) / 1000
+            oldest = oldest_timestamp_ms(records) / 1000
             metrics.delay.labels(self.group_id).observe(max(0.0, time.time() - oldest))
         try:
             await self._apply(records)

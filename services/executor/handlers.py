@@ -104,6 +104,9 @@ class Executor:
         # each was decided (wall seconds) and its start-up histogram labels. Memory only: a
         # run that starts after a restart of the executor is not observed.
         self.launching: dict[RunKey, tuple[float, tuple[str, str, str]]] = {}
+        # Start-ups of the change being committed, observed once it has committed (a change
+        # rolled back is tried again, and would observe them twice): run, labels, seconds.
+        self._startups: list[tuple[RunKey, tuple[str, str, str], float]] = []
         self._changing = asyncio.Lock()
         self._stale = False  # memory may be ahead of the store (see _reload)
 
@@ -195,7 +198,7 @@ class Executor:
     async def _commit(
         self, items: list[tuple[Envelope, Any]], dead: list[OutMessage], fence: int, traced: Hops
     ) -> None:
-        self._acts = []
+        self._acts, self._startups = [], []
         async with self.relay.transaction() as tx:
             conn = tx.conn
             fresh = await tx.claim([e.event_id for e, _ in items])
@@ -235,6 +238,7 @@ class Executor:
             )
             traced.stamp(out)
             tx.emit(out)
+        self._observe_startups()
         self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
         await self.backend.act(self._acts)
 
@@ -265,22 +269,24 @@ class Executor:
         started.append(job)
         self.metrics.started.inc()
         spec = p.spec
-        self.launching[job.key] = (
-            env.occurred_at.timestamp(),
-            (spec.tenant, spec.queue, spec.priority_class),
-        )
+        launch = (env.occurred_at.timestamp(), (spec.tenant, spec.queue, spec.priority_class))
         if not job.started:  # it is announced when the backend reports it running
+            self.launching[job.key] = launch
             self._acts.append(Launch(p))
             return []
-        return [self._started(job, env)]
+        return [self._started(job, env, launch)]
 
-    def _started(self, job: RunningJob, env: Envelope | None) -> OutMessage:
-        launch = self.launching.pop(job.key, None)
-        if launch is not None:
+    def _started(
+        self,
+        job: RunningJob,
+        env: Envelope | None,
+        launch: tuple[float, tuple[str, str, str]] | None = None,
+    ) -> OutMessage:
+        launch = launch or self.launching.get(job.key)
+        if launch is not None:  # observed once the change commits (_observe_startups)
             placed_at, labels = launch
-            self.metrics.startup.labels(*labels).observe(
-                max(0.0, job.started_at.timestamp() - placed_at)
-            )
+            seconds = max(0.0, job.started_at.timestamp() - placed_at)
+            self._startups.append((job.key, labels, seconds))
         return self._emit(
             topics.JOB_STARTED,
             "JobStarted",
@@ -294,6 +300,13 @@ class Executor:
             job.tenant,
             env,
         )
+
+    def _observe_startups(self) -> None:
+        """After a commit: its start-ups, whose launches are then no longer awaited."""
+        for key, labels, seconds in self._startups:
+            self.launching.pop(key, None)
+            self.metrics.startup.labels(*labels).observe(seconds)
+        self._startups = []
 
     def _refusal(self, env: Envelope, p: PlacementDecided) -> OutMessage | None:
         if p.epoch < self.epoch:
@@ -526,7 +539,7 @@ class Executor:
                 raise
 
     async def _report(self, reports: Sequence[RunReport]) -> list[RunReport]:
-        self._acts = []
+        self._acts, self._startups = [], []
         out: list[OutMessage] = []
         ended: list[RunKey] = []
         announced: list[RunningJob] = []
@@ -555,6 +568,7 @@ class Executor:
                     announced=announced,
                 )
                 tx.emit(out)
+            self._observe_startups()
             await self.backend.act(self._acts)
         return unknown
 

@@ -1,13 +1,16 @@
 """The meter's two writers: the batch handler (lifecycle facts in, runs opened and closed) and
 the clock (open runs billed interval by interval, idle capacity). Each step writes the ledger,
 the run state, the budget counters and the outbox in one transaction; one lock keeps the two
-from interleaving, so memory (the open runs) always equals the store after a commit."""
+from interleaving, so memory (the open runs) always equals the store after a commit, and the
+counters count a step only once it has committed (a step rolled back is retried: counting inside
+the transaction would count its ticks again)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -83,6 +86,39 @@ class MeterMetrics:
             registry=registry,
         )
 
+    def count(self, counts: Counts, currency: str) -> None:
+        """A committed transaction's counts."""
+        for kind, n in counts.ticks.items():
+            self.ticks.labels(kind).inc(n)
+        self.credits.inc(counts.credits)
+        self.budget_events.inc(counts.budget_events)
+        for tenant, (seconds_u, cost_u) in counts.usage.items():
+            # A run that ends inside time already billed is credited back: counters only rise.
+            if seconds_u > 0:
+                self.usage.labels(tenant).inc(seconds_u / 1e6)
+            if cost_u > 0:
+                self.spend.labels(tenant, currency).inc(cost_u / 1e6)
+        for (tenant, budget_id), ratio in counts.budget_used.items():
+            self.budget_used.labels(tenant, budget_id).set(ratio)
+
+
+@dataclass
+class Counts:
+    """What one transaction adds to the counters (and sets the budget gauges to), applied by
+    `MeterMetrics.count` after its commit."""
+
+    ticks: Counter[TickKind] = field(default_factory=Counter)
+    credits: int = 0
+    budget_events: int = 0
+    # tenant -> (accelerator-seconds, cost), millionths
+    usage: dict[str, tuple[int, int]] = field(default_factory=dict)
+    budget_used: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def add_usage(self, deltas: dict[tuple[str, str, str], tuple[int, int]]) -> None:
+        for (tenant, _project, _month), (seconds_u, cost_u) in deltas.items():
+            s, c = self.usage.get(tenant, (0, 0))
+            self.usage[tenant] = (s + seconds_u, c + cost_u)
+
 
 class Meter:
     def __init__(
@@ -138,6 +174,7 @@ class Meter:
             self.caught_up.set()
 
     async def _apply(self, facts: list[tuple[str, Any]], dead: list[OutMessage]) -> None:
+        counts = Counts()
         async with self.relay.transaction() as tx:
             conn = tx.conn
             fresh = await tx.claim([e for e, _ in facts])
@@ -148,7 +185,8 @@ class Meter:
             applied = apply_facts(todo, known, self.book, self.grid)
             await store.save_runs(conn, list(applied.states.values()))
             await store.save_pools(conn, applied.pools)
-            tx.emit(await self._write(conn, applied.ticks, dead))
+            tx.emit(await self._write(conn, applied.ticks, dead, counts))
+        self.metrics.count(counts, self.config.currency)
         for key, state in applied.states.items():
             if state.phase is Phase.OPEN:
                 self.open[key] = state
@@ -177,6 +215,7 @@ class Meter:
                 idle = None if held else self._idle_range(now)
                 if not ticks and idle is None:
                     return held
+                counts = Counts()
                 async with self.relay.transaction() as tx:
                     conn = tx.conn
                     new = await self._record(conn, ticks)
@@ -184,7 +223,8 @@ class Meter:
                     if idle is not None:  # after this pass's usage is counted
                         new += await self._record(conn, await self._idle(conn, *idle))
                         await store.set_idle_through(conn, idle[1])
-                    tx.emit(await self._announce(conn, new, []))
+                    tx.emit(await self._announce(conn, new, [], counts))
+                self.metrics.count(counts, self.config.currency)
                 for state in changed:
                     self.open[state.key] = state
                 if idle is not None:
@@ -216,30 +256,32 @@ class Meter:
         return new
 
     async def _write(
-        self, conn: asyncpg.Connection, ticks: list[Tick], extra: list[OutMessage]
+        self, conn: asyncpg.Connection, ticks: list[Tick], extra: list[OutMessage], counts: Counts
     ) -> list[OutMessage]:
-        return await self._announce(conn, await self._record(conn, ticks), extra)
+        return await self._announce(conn, await self._record(conn, ticks), extra, counts)
 
     async def _announce(
-        self, conn: asyncpg.Connection, new: list[Tick], extra: list[OutMessage]
+        self, conn: asyncpg.Connection, new: list[Tick], extra: list[OutMessage], counts: Counts
     ) -> list[OutMessage]:
-        """Budget counters and the outbox for ticks new to the ledger (a replay adds none)."""
-        budget_events = await self._budgets(conn, new)
-        for kind, n in Counter(t.kind for t in new).items():
-            self.metrics.ticks.labels(kind).inc(n)
-        self.metrics.credits.inc(sum(1 for t in new if t.kind is CLOSE and t.seconds_u < 0))
-        self.metrics.budget_events.inc(len(budget_events))
+        """Budget counters and the outbox for ticks new to the ledger (a replay adds none);
+        what the metrics should count of them goes into `counts`."""
+        budget_events = await self._budgets(conn, new, counts)
+        counts.ticks.update(t.kind for t in new)
+        counts.credits += sum(1 for t in new if t.kind is CLOSE and t.seconds_u < 0)
+        counts.budget_events += len(budget_events)
         return [
             *extra,
             *tick_messages(new, self.grid, self.config.currency),
             *budget_messages(budget_events),
         ]
 
-    async def _budgets(self, conn: asyncpg.Connection, new: list[Tick]) -> list[BudgetExceeded]:
+    async def _budgets(
+        self, conn: asyncpg.Connection, new: list[Tick], counts: Counts
+    ) -> list[BudgetExceeded]:
         deltas = usage_deltas(new)
         if not deltas:
             return []
-        self._count_usage(deltas)
+        counts.add_usage(deltas)
         await store.add_budget_usage(conn, deltas)
         now = self.clock()
         events: list[BudgetExceeded] = []
@@ -255,9 +297,7 @@ class Meter:
                 consumption = used(b, totals)
                 candidates += [(b, threshold, consumption) for threshold in reached(b, consumption)]
                 if current and b.limit > 0:
-                    self.metrics.budget_used.labels(b.tenant, b.budget_id).set(
-                        float(consumption / b.limit)
-                    )
+                    counts.budget_used[(b.tenant, b.budget_id)] = float(consumption / b.limit)
             claimed = await store.claim_thresholds(
                 conn, [(b.budget_id, month, th, u) for b, th, u in candidates]
             )
@@ -267,17 +307,3 @@ class Meter:
                 if (b.budget_id, month, th) in claimed
             ]
         return events
-
-    def _count_usage(self, deltas: dict[tuple[str, str, str], tuple[int, int]]) -> None:
-        """Spend and usage counters, per tenant, from what new ticks add (millionths)."""
-        by_tenant: dict[str, tuple[int, int]] = {}
-        for (tenant, _project, _month), (seconds_u, cost_u) in deltas.items():
-            s, c = by_tenant.get(tenant, (0, 0))
-            by_tenant[tenant] = (s + seconds_u, c + cost_u)
-        currency = self.config.currency
-        for tenant, (seconds_u, cost_u) in by_tenant.items():
-            # A run that ends inside time already billed is credited back: counters only rise.
-            if seconds_u > 0:
-                self.metrics.usage.labels(tenant).inc(seconds_u / 1e6)
-            if cost_u > 0:
-                self.metrics.spend.labels(tenant, currency).inc(cost_u / 1e6)

@@ -205,14 +205,15 @@ class Feed:
         """The consumer metrics every service's groups have, once per fetch."""
         metrics = self._metrics
         assert metrics is not None
-        records = tuple(r for rs in batches.values() for r in rs)
-        if not records:
+        # Per partition, not per record: each list is in offset order (and so in time order).
+        batches = {tp: rs for tp, rs in batches.items() if rs}
+        if not batches:
             return
-        oldest = min(r.timestamp for r in records) / 1000
+        oldest = min(rs[0].timestamp for rs in batches.values()) / 1000
         metrics.delay.labels(name).observe(max(0.0, time.time() - oldest - took_s))
         metrics.batch.labels(name).observe(took_s)
-        metrics.records.labels(name).inc(len(records))
-        lag.note(consumer, records)
+        metrics.records.labels(name).inc(sum(map(len, batches.values())))
+        lag.note_last(consumer, {tp: rs[-1].offset for tp, rs in batches.items()})
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ wait for a cycle (and for room) is one span, with the placing cycle's start as a
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +17,13 @@ from services.common.tracing import Hops, Tracing, by_key, header_traceparent, h
 from services.scheduler.cycle import Decisions
 from services.scheduler.state import SchedulerState
 
-# Entries beyond the pending jobs (ones that left without a placement: canceled, or read on a
-# replay and placed since) are dropped once there are this many.
+# Entries beyond the pending jobs (ones that left without a placement: canceled, read on a
+# replay and placed since, or placed by another replica while this one stood by) are dropped
+# once there are this many. Each prune drops more than SLACK entries: amortized O(1) per entry.
 SLACK = 1024
+# However many jobs are pending, no more entries than this are kept: past it the oldest go
+# (those jobs' placements are then simply not traced).
+MAX_WAITING = 100_000
 
 
 class Waiting:
@@ -35,6 +40,9 @@ class Waiting:
         read (the queue always sets it): no record is parsed twice."""
         if self.tracing is None:
             return
+        # Pruned here, not only when placing: a standby never places, yet notes every batch.
+        # Before this batch's entries go in (the state has not applied them yet).
+        self._prune()
         now = time.time_ns()
         for record in records:
             if record.topic != JOB_QUEUED:
@@ -43,10 +51,21 @@ class Waiting:
             if job_id is None:
                 continue
             traceparent = header_traceparent(record.headers)
-            if traceparent is None:
-                self.jobs.pop(job_id, None)  # a requeue without a trace: not the old one's
-            else:
+            # Popped first so that the map stays in arrival order (oldest first).
+            self.jobs.pop(job_id, None)  # a requeue without a trace: not the old one's
+            if traceparent is not None:
                 self.jobs[job_id] = (traceparent, now)
+
+    def _prune(self) -> None:
+        """Drop entries of jobs no longer pending once there are SLACK of them beyond the
+        pending jobs; then, if still over MAX_WAITING, the oldest."""
+        if len(self.jobs) > len(self.state.pending) + SLACK:
+            pending = self.state.pending
+            self.jobs = {j: v for j, v in self.jobs.items() if j in pending}
+        over = len(self.jobs) - MAX_WAITING
+        if over > 0:
+            for job_id in list(itertools.islice(self.jobs, over)):
+                del self.jobs[job_id]
 
     def placing(self, decisions: Decisions) -> Hops:
         """Spans for the cycle's placements of traced jobs, their context put on the
@@ -54,8 +73,7 @@ class Waiting:
         traced = hops(self.tracing, "scheduler.place")
         if not self.jobs:
             return traced
-        if len(self.jobs) > len(self.state.pending) + SLACK:
-            self.jobs = {j: v for j, v in self.jobs.items() if j in self.state.pending}
+        self._prune()
         for _, event in decisions.placements:
             waiting = self.jobs.get(event.job_id)
             if waiting is not None:

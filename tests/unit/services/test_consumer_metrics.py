@@ -3,14 +3,23 @@ batch's last offsets and the watermarks the consumer already holds), records and
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Sequence
+from typing import Any, overload
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from faststream.kafka import KafkaBroker
 from prometheus_client import CollectorRegistry
 
-from services.common.consumer import ConsumerMetrics, Consumers, LagBook, partition_lag
+from services.common.consumer import (
+    ConsumerMetrics,
+    Consumers,
+    LagBook,
+    oldest_timestamp_ms,
+    partition_lag,
+)
 from services.common.settings import ServiceSettings
+from services.scheduler.feed import Feed
 
 
 def record(
@@ -98,3 +107,62 @@ async def test_a_group_counts_its_records_and_their_delay() -> None:
         "qm_consumer_record_delay_seconds_sum", {"group": "g"}
     )
     assert older_than_a_day is not None and older_than_a_day > 86_400
+
+
+class Watched(Sequence[ConsumerRecord[Any, Any]]):
+    """A batch that counts the records read from it and cannot be walked record by record."""
+
+    def __init__(self, records: list[ConsumerRecord[Any, Any]]) -> None:
+        self.records = records
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @overload
+    def __getitem__(self, i: int) -> ConsumerRecord[Any, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ConsumerRecord[Any, Any]]: ...
+    def __getitem__(self, i: Any) -> Any:
+        assert isinstance(i, int), "read a slice of the batch"
+        self.reads += 1
+        return self.records[i]
+
+    def __iter__(self) -> Any:
+        raise AssertionError("walked the batch record by record")
+
+
+def two_partitions(n: int) -> dict[TopicPartition, list[ConsumerRecord[Any, Any]]]:
+    """`n` records in a[0] and a[1], as a fetch returns them: each in offset (time) order."""
+    return {
+        A0: [record("a", 0, 100 + i, 5_000 + i) for i in range(n)],
+        A1: [record("a", 1, 7 + i, 3_000 + i) for i in range(n)],
+    }
+
+
+def test_a_batch_is_read_per_partition_not_per_record() -> None:
+    by_partition = two_partitions(2500)
+    flat = [r for rs in by_partition.values() for r in rs]
+    marks = {A0: 10_000, A1: 2_600}
+    # What the per-record scan found: the same lag and the same oldest record.
+    expected_lag = {A0: 10_000 - (100 + 2499) - 1, A1: 2_600 - (7 + 2499) - 1}
+    assert min(r.timestamp for r in flat) == 3_000
+    batch = Watched(flat)
+    assert partition_lag(batch, marks.get) == expected_lag  # type: ignore[arg-type]
+    assert oldest_timestamp_ms(batch) == 3_000
+    assert batch.reads < 2 * 2 * 14  # two bisections of 5000 records each, twice
+
+    # The scheduler feed: its fetch's lists as they are, nothing copied record by record.
+    registry = CollectorRegistry()
+    metrics = ConsumerMetrics(registry)
+    feed = Feed("unused:9092", ("a",), 10, lambda _rs: None, metrics=metrics)
+    watched = {tp: Watched(rs) for tp, rs in by_partition.items()}
+    book = LagBook(metrics.lag, "feed")
+    before = time.time()
+    feed._observe(fake_consumer(marks, {A0, A1}), "feed", book, watched, 0.0)  # type: ignore[arg-type]
+    assert sum(w.reads for w in watched.values()) <= 4  # first and last of each partition
+    lag = registry.get_sample_value("qm_consumer_lag_records", {"group": "feed", "topic": "a"})
+    assert lag == sum(expected_lag.values())
+    assert registry.get_sample_value("qm_consumer_records_total", {"group": "feed"}) == 5000
+    delay = registry.get_sample_value("qm_consumer_record_delay_seconds_sum", {"group": "feed"})
+    assert delay is not None and before - 3.0 <= delay <= time.time() - 3.0

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from schemas import topics
 from services.common.tracing import Tracing
+from services.scheduler import traces
 from services.scheduler.cycle import Cycle
 from services.scheduler.errors import PublishFailed
 from services.scheduler.handlers import SchedulerMetrics
@@ -116,3 +117,31 @@ def test_with_tracing_off_nothing_is_kept() -> None:
     waiting = Waiting(None, fleet_with(1, "j1"))
     waiting.note([queued_record("j1", [("traceparent", QUEUE_SPAN.encode())])])
     assert waiting.jobs == {}
+
+
+def test_a_standby_that_never_places_keeps_a_bounded_map() -> None:
+    """A standby notes every traced job.queued but never places: its map must not grow with
+    every job that ever went by, yet keep the jobs a leader would still place."""
+    state = fleet_with(1, "still-pending")  # the jobs noted below went (placed elsewhere)
+    waiting = Waiting(Tracing(TracerProvider(), "scheduler"), state)
+    header = [("traceparent", QUEUE_SPAN.encode())]
+    waiting.note([queued_record("still-pending", header)])
+    for batch in range(50):
+        waiting.note([queued_record(f"gone-{batch}-{i}", header) for i in range(100)])
+        assert len(waiting.jobs) <= len(state.pending) + traces.SLACK + 100
+    assert "still-pending" in waiting.jobs
+    assert "gone-49-99" in waiting.jobs  # this batch's entries: not applied to the state yet
+
+
+def test_past_the_cap_the_oldest_entries_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traces, "MAX_WAITING", 3)
+    names = [f"j{i}" for i in range(5)]
+    state = fleet_with(1, *names)  # all pending: only the cap bounds the map
+    waiting = Waiting(Tracing(TracerProvider(), "scheduler"), state)
+    header = [("traceparent", QUEUE_SPAN.encode())]
+    waiting.note([queued_record(n, header) for n in names[:3]])
+    waiting.note([queued_record("j0", header)])  # requeued: now the newest
+    waiting.note([queued_record(n, header) for n in names[3:]])
+    assert list(waiting.jobs) == ["j1", "j2", "j0", "j3", "j4"]  # this batch not pruned yet
+    waiting.note([])
+    assert list(waiting.jobs) == ["j0", "j3", "j4"]
