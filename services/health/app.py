@@ -26,6 +26,7 @@ from services.common.runtime import Runtime, create_http_app
 from services.common.scrape import parse_targets
 from services.common.singleton import singleton_for
 from services.health import store
+from services.health.burn import CannotCover, max_points
 from services.health.handlers import HealthMetrics, HealthMonitor
 from services.health.intake import TOPICS
 from services.health.rules import HealthRules
@@ -59,6 +60,10 @@ def load_slos(settings: HealthSettings) -> SloFile | None:
     problems = catalogue_problems(slos, catalogue) if catalogue is not None else []
     if problems:
         raise SloFileError(f"{settings.slo_file}: " + "; ".join(problems))
+    try:  # refused at start, like a bad file: the longest window must fit in the history
+        max_points(slos, settings.slo_eval_every_s)
+    except CannotCover as exc:
+        raise SloFileError(f"{settings.slo_file}: {exc}") from None
     return slos
 
 
@@ -116,6 +121,7 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
                 clock=utcnow,
                 new_id=new_id,
                 on_alerts=metrics.alerts.inc,
+                every_s=settings.slo_eval_every_s,
             )
             await watch["slo"].load()
             runtime.background(slo_loop)

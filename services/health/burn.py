@@ -11,8 +11,9 @@ Pure: samples and times in, verdicts and breach decisions out. The shell
   (1 - objective): 1 spends the budget exactly over the period, 14.4 spends 2% of a 30-day
   budget in an hour.
 - A level fires when, for one of its window pairs, both the long and the short window burn
-  above the pair's rate; a breach opens (one alert) when its level fires and closes when it
-  no longer does.
+  above the pair's rate; a pair is judged only once the history covers its long window. A
+  breach opens (one alert) when its level fires and closes when every pair of the level was
+  judged and none fires.
 """
 
 from __future__ import annotations
@@ -27,11 +28,56 @@ from schemas.health import Severity
 from services.common.scrape import Sample
 from services.health.slofile import AlertLevel, Sli, SliKind, Slo, SloFile, format_duration
 
-MAX_POINTS = 20_000  # per SLO: 3 days at one point every 15 s is 17,280
+# A counter past 2**53 has lost integer precision (a float64 cannot count one more event):
+# no real process gets there, so such a sample is hostile or broken and is left out.
+MAX_SAMPLE = 2.0**53
+BIGINT_MAX = 2**63 - 1  # health.slo_breaches.count is a bigint
+# Points per SLO: the longest window over the evaluation interval, never more than this
+# (3 days at 2.6 s; ~100 bytes a point, so ~10 MB per SLO at the limit).
+POINTS_LIMIT = 100_000
+MAX_POINTS = 20_000  # the default cap of a Tally built without one (3 days at 15 s: 17,280)
 
 
 class NoBucket(ValueError):
     """A latency SLI's threshold is not a bucket bound of its histogram."""
+
+
+class CannotCover(ValueError):
+    """The evaluation interval is too short for the longest window to fit in POINTS_LIMIT."""
+
+
+def points_for(longest_s: float, every_s: float) -> int:
+    """The points a tally needs to span `longest_s` with one point every `every_s` (or more):
+    one per round, the baseline at or before the window's start, and one spare."""
+    if every_s <= 0:
+        raise CannotCover(f"the evaluation interval must be above 0 s, got {every_s:g}")
+    return math.ceil(longest_s / every_s) + 2
+
+
+def max_points(slos: SloFile, every_s: float) -> dict[str, int]:
+    """Each SLO's point cap for rounds every `every_s`; CannotCover (naming the SLO, the window
+    and the shortest interval that would do) when one would need more than POINTS_LIMIT."""
+    out = {}
+    for slo in slos.slos:
+        need = points_for(slo.longest_s, every_s)
+        if need > POINTS_LIMIT:
+            shortest = slo.longest_s / (POINTS_LIMIT - 2)
+            raise CannotCover(
+                f"QM_SLO_EVAL_EVERY_S={every_s:g}: SLO {slo.name}'s "
+                f"{format_duration(slo.longest_s)} window would need {need} points, more than "
+                f"{POINTS_LIMIT}; evaluate every {math.ceil(shortest * 10) / 10:g} s or more"
+            )
+        out[slo.name] = need
+    return out
+
+
+def clamp_count(value: float) -> int:
+    """An event count as the store's bigint can hold it (0 for NaN)."""
+    if math.isnan(value) or value <= 0:
+        return 0
+    if value >= BIGINT_MAX:
+        return BIGINT_MAX
+    return min(round(value), BIGINT_MAX)
 
 
 @dataclass(frozen=True)
@@ -52,7 +98,7 @@ def reading_of(sli: Sli, samples: Iterable[Sample]) -> Reading:
     bucket_name = f"{sli.metric}_bucket"
     bad_labels = (*sli.labels, *sli.bad)
     for s in samples:
-        if not math.isfinite(s.value) or s.value < 0:
+        if not math.isfinite(s.value) or s.value < 0 or s.value > MAX_SAMPLE:
             continue
         if s.name == count_name and _matches(s, sli.labels):
             total += s.value
@@ -74,7 +120,7 @@ def reading_of(sli: Sli, samples: Iterable[Sample]) -> Reading:
     return Reading(min(good, total), total)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Point:
     at: float  # seconds (the evaluator's monotonic clock)
     good: float  # events since the tally began, resets accounted for
@@ -98,6 +144,9 @@ class Tally:
         prev = self.points[-1] if self.points else Point(at, 0.0, 0.0)
         good, total = prev.good, prev.total
         for target, now in sorted(readings.items()):
+            if not (math.isfinite(now.good) and math.isfinite(now.total)):
+                self.last.pop(target, None)  # unreadable: its next reading is a new baseline
+                continue
             before = self.last.get(target)
             self.last[target] = now
             if before is None:
@@ -106,6 +155,11 @@ class Tally:
                 before = Reading(0.0, 0.0)  # a restarted process counts from zero again
             good += now.good - before.good
             total += now.total - before.total
+        if not (math.isfinite(good) and math.isfinite(total)):
+            # Overflowed (inf, or inf - inf = NaN): the history cannot be trusted, so it
+            # starts again from here, as after a start; nothing is judged until it spans.
+            self.points.clear()
+            good = total = 0.0
         self.points.append(Point(at, good, total))
         # Keep one point at or before the longest window's start: the baseline it needs.
         while len(self.points) > 1 and self.points[1].at <= at - self.keep_s:
@@ -136,7 +190,7 @@ class Tally:
 
 def burn_rate(bad: float, total: float, objective: float) -> float:
     """The error ratio over the error budget; 0 with no events (nothing went wrong)."""
-    if total <= 0:
+    if not total > 0 or not math.isfinite(total) or not math.isfinite(bad):
         return 0.0
     return min(max(bad / total, 0.0), 1.0) / (1.0 - objective)
 
@@ -160,7 +214,8 @@ class PairVerdict:
 class LevelVerdict:
     slo: Slo
     level: AlertLevel
-    pairs: tuple[PairVerdict, ...]
+    pairs: tuple[PairVerdict, ...]  # the pairs judged: those whose long window is covered
+    complete: bool = True  # every pair of the level was judged
 
     @property
     def firing(self) -> PairVerdict | None:
@@ -169,14 +224,19 @@ class LevelVerdict:
 
 
 def judge(slo: Slo, tally: Tally) -> tuple[LevelVerdict, ...] | None:
-    """Every level's verdict, or None while the history is shorter than the shortest window
-    (just after a start: too little to say anything, so nothing opens or closes)."""
-    if len(tally.points) < 2 or tally.span_s < min(slo.windows_s):
+    """Every level's verdict over the pairs whose long window the history covers; None while
+    it covers none (just after a start: too little to say anything, so nothing opens or
+    closes). A pair is judged only on a whole long window: a burn rate over part of it is
+    over fewer events than its threshold was chosen for, so it would raise false alerts."""
+    if len(tally.points) < 2:
         return None
+    span = tally.span_s
     out = []
     for level in slo.levels:
         pairs = []
         for pair in level.pairs:
+            if span < pair.long_s:
+                continue
             long_events = tally.events(pair.long_s)
             short_events = tally.events(pair.short_s)
             assert long_events is not None and short_events is not None
@@ -190,7 +250,9 @@ def judge(slo: Slo, tally: Tally) -> tuple[LevelVerdict, ...] | None:
                     *long_events,
                 )
             )
-        out.append(LevelVerdict(slo, level, tuple(pairs)))
+        out.append(LevelVerdict(slo, level, tuple(pairs), len(pairs) == len(level.pairs)))
+    if not any(v.pairs for v in out):
+        return None
     return tuple(out)
 
 
@@ -251,9 +313,9 @@ def decide(
     now: datetime,
     new_id: Callable[[], str],
 ) -> Decisions:
-    """Open a breach for each level that fires without one; close each open breach whose
-    level was judged and no longer fires, or that the file no longer has. An SLO not judged
-    this time (no verdicts) keeps its breaches as they are."""
+    """Open a breach for each level that fires (one of its judged pairs) without one; close
+    each open breach whose level had every pair judged and none firing, or that the file no
+    longer has. An SLO or level not (wholly) judged this time keeps its breaches as they are."""
     opened, closed = [], []
     levels = {(s.name, lv.name) for s in slos.slos for lv in s.levels}
     for key, breach in sorted(open_breaches.items()):
@@ -275,9 +337,9 @@ def decide(
                         severity=verdict.level.severity,
                         suggested_action=suggested_action(verdict, pair, slos.dashboard),
                         opened_at=now,
-                        count=round(pair.bad),
+                        count=clamp_count(pair.bad),
                     )
                 )
-            elif pair is None and key in open_breaches:
+            elif pair is None and verdict.complete and key in open_breaches:
                 closed.append(replace(open_breaches[key], closed_at=now))
     return Decisions(tuple(opened), tuple(closed))

@@ -1,7 +1,8 @@
 """The SLO evaluator's shell: every QM_SLO_EVAL_EVERY_S, scrape the services' /metrics
 (QM_METRICS_TARGETS) and this process's own registry, feed each SLO's tally, judge the burn
 rates (services.health.burn), then write opened and closed breaches and the alerts of the
-opened ones in one transaction, and relay.
+opened ones in one transaction per SLO (one SLO's failure does not hold back another's
+alerts), and relay.
 
 It runs in the health service, which holds a lease: one evaluator at a time. An open breach
 is in the store (`health.slo_breaches`, at most one open per SLO and level), so a restart or a
@@ -31,12 +32,15 @@ from services.health.burn import (
     burn_rate,
     decide,
     judge,
+    max_points,
     reading_of,
 )
 from services.health.emit import slo_alert
 from services.health.slofile import Slo, SloFile, format_duration
 
 log = structlog.get_logger()
+
+WRITE_FAILED = "SLO breaches could not be written"
 
 Scraper = Callable[[Iterable[tuple[str, str]]], Awaitable[list[Target]]]
 
@@ -87,6 +91,7 @@ class SloWatch:
         on_alerts: Callable[[int], None] = lambda n: None,
         scraper: Scraper = scrape,
         monotonic: Callable[[], float] = time.monotonic,
+        every_s: float = 15.0,
     ) -> None:
         self.slos = slos
         self.targets = targets
@@ -99,10 +104,15 @@ class SloWatch:
         self.on_alerts = on_alerts
         self.scraper = scraper
         self.monotonic = monotonic
-        self.tallies = {s.name: Tally(keep_s=s.longest_s) for s in slos.slos}
+        caps = max_points(slos, every_s)  # CannotCover when every_s is too short
+        self.tallies = {
+            s.name: Tally(keep_s=s.longest_s, max_points=caps[s.name]) for s in slos.slos
+        }
         self.open: dict[tuple[str, str], Breach] = {}
         self._no_bucket: set[str] = set()  # SLOs already warned about
         self._failing: set[str] = set()  # targets whose last scrape failed
+        # (SLO, what) whose last evaluation or write failed: logged once until it works again
+        self._broken: set[tuple[str, str]] = set()
 
     async def load(self) -> None:
         async with self.pool.acquire() as conn:
@@ -118,19 +128,55 @@ class SloWatch:
         self._count_failures(targets)
         verdicts: dict[str, tuple[LevelVerdict, ...] | None] = {}
         for slo in self.slos.slos:
-            tally = self.tallies[slo.name]
-            tally.add(at, self._readings(slo, targets))
-            verdicts[slo.name] = judged = judge(slo, tally)
-            for window in slo.windows_s:
-                events = tally.events(window)
-                if judged is not None and events is not None:
-                    rate = burn_rate(*events, slo.objective)
-                    self.metrics.burn.labels(slo.name, format_duration(window)).set(rate)
+            try:
+                verdicts[slo.name] = self._judge(slo, at, targets)
+            except Exception:  # one SLO's bug must not keep the others from alerting
+                verdicts[slo.name] = None  # not judged: its breaches stay as they are
+                self._failed(slo.name, "SLO evaluation failed")
+            else:
+                self._broken.discard((slo.name, "SLO evaluation failed"))
         decisions = decide(self.slos, verdicts, self.open, self.clock(), self.new_id)
         if decisions:
-            decisions = await self._write(decisions)
+            decisions = await self._write_each(decisions)
         self.metrics.evaluations.inc()
         return decisions
+
+    def _judge(self, slo: Slo, at: float, targets: list[Target]) -> tuple[LevelVerdict, ...] | None:
+        tally = self.tallies[slo.name]
+        tally.add(at, self._readings(slo, targets))
+        judged = judge(slo, tally)
+        for window in slo.windows_s:
+            events = tally.events(window)
+            if events is not None and tally.span_s >= window:
+                rate = burn_rate(*events, slo.objective)
+                self.metrics.burn.labels(slo.name, format_duration(window)).set(rate)
+        return judged
+
+    def _failed(self, slo: str, event: str) -> None:
+        if (slo, event) not in self._broken:  # once until it works again, not every round
+            self._broken.add((slo, event))
+            log.exception(event, slo=slo)
+
+    async def _write_each(self, decisions: Decisions) -> Decisions:
+        """Each SLO's decisions in a transaction of their own: a write that fails (its
+        decisions are taken again next round) holds back only that SLO's alerts."""
+        names = sorted({b.slo for b in (*decisions.opened, *decisions.closed)})
+        opened: list[Breach] = []
+        closed: list[Breach] = []
+        for name in names:
+            mine = Decisions(
+                tuple(b for b in decisions.opened if b.slo == name),
+                tuple(b for b in decisions.closed if b.slo == name),
+            )
+            try:
+                done = await self._write(mine)
+            except Exception:
+                self._failed(name, WRITE_FAILED)
+                continue
+            self._broken.discard((name, WRITE_FAILED))
+            opened.extend(done.opened)
+            closed.extend(done.closed)
+        return Decisions(tuple(opened), tuple(closed))
 
     def _readings(self, slo: Slo, targets: list[Target]) -> dict[str, Reading]:
         out = {}

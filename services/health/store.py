@@ -12,7 +12,7 @@ import asyncpg
 
 from schemas.health import Severity
 from services.health.book import Changes, HealthBook, Incident
-from services.health.burn import Breach, Decisions
+from services.health.burn import Breach, Decisions, clamp_count
 from services.health.machine import NodeHealth, NodeState, Signal
 from services.health.pace import NodeWindow, Track
 
@@ -215,7 +215,7 @@ async def save_breaches(conn: asyncpg.Connection, decisions: Decisions) -> set[s
             b.severity.value,
             b.suggested_action,
             b.opened_at,
-            b.count,
+            clamp_count(b.count),  # a bigint column
         )
         if row is not None:
             fresh.add(row["breach_id"])

@@ -1,8 +1,9 @@
 """An SLO breach raised on purpose, on the real broker, PostgreSQL and Redis: the health
 service scrapes a fake service's /metrics whose counters the test moves, and raises exactly
-one alert.raised per breach: none while things go well (a counter reset included), one when
-the SLO burns, no second one while it keeps burning or after a restart, and a new one for the
-next breach after the first has ended. Windows are seconds here, hours in production."""
+one alert.raised per breach: none while things go well (a counter reset and a series of
+absurd values included), one when the SLO burns, no second one while it keeps burning or
+after a restart, and a new one for the next breach after the first has ended. Windows are
+seconds here, hours in production."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class FakeScheduler:
 
     def exposition(self) -> str:
         labels = 'priority_class="high",queue="default",tenant="t"'
+        hostile = 'priority_class="high",queue="default",tenant="huge"'
         total = self.good + self.bad
         return (
             f"# TYPE {METRIC} histogram\n"
@@ -56,6 +58,10 @@ class FakeScheduler:
             f'{METRIC}_bucket{{le="+Inf",{labels}}} {total}\n'
             f"{METRIC}_count{{{labels}}} {total}\n"
             f"{METRIC}_sum{{{labels}}} {self.good * 10 + self.bad * 300}\n"
+            # A broken series past 2**53: left out (counted in, it would swallow every real
+            # increase in float rounding and overflow the breach's bigint count).
+            f'{METRIC}_bucket{{le="60.0",{hostile}}} 1e20\n'
+            f"{METRIC}_count{{{hostile}}} 1e20\n"
         )
 
 
