@@ -1,7 +1,8 @@
 """Page times of the web dashboard over a read model of 10,000 jobs.
 
 Fills the gateway's schema with `--jobs` jobs of four tenants in every state (with their
-history lines, usage ticks and the scheduler's explanations for the pending ones), starts the
+history lines, usage ticks and the scheduler's explanations for the pending ones) on a fleet of
+800 nodes of 8 devices (4 clusters of one type each), starts the
 real gateway (uvicorn, on a socket) against it, and times each page over HTTP: `--repeat`
 requests after two warm-ups, as an operator (every tenant) and as a researcher (one tenant).
 Reports median and p95 milliseconds per page and the size of the HTML.
@@ -133,6 +134,33 @@ def synthetic(n: int, seed: int) -> tuple[list[tuple[Any, ...]], ...]:
     return jobs, events, ticks, whys
 
 
+def fleet(now: datetime) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The nodes the jobs' placements name: 4 clusters x 200 nodes of 8 devices, and their
+    clusters' inventories."""
+    nodes, clusters = [], []
+    for kind in TYPES:
+        cluster = f"cluster-{kind.lower()}"
+        clusters.append((cluster, "bench", "onprem", 200, now))
+        for n in range(200):
+            nodes.append(
+                (
+                    f"{cluster}-{n:04d}",
+                    cluster,
+                    f"b{n // 64}",
+                    f"r{n // 8}",
+                    f"nv{n // 8}",
+                    kind,
+                    kind,
+                    8,
+                    80.0,
+                    "reserved",
+                    True,
+                    now,
+                )
+            )
+    return nodes, clusters
+
+
 async def fill(database: str, n: int, seed: int) -> None:
     jobs, events, ticks, whys = synthetic(n, seed)
     conn = await asyncpg.connect(database)
@@ -199,11 +227,40 @@ async def fill(database: str, n: int, seed: int) -> None:
             records=whys,
             columns=["job_id", "codes", "message", "pending_jobs", "at"],
         )
+        nodes, clusters = fleet(datetime.now(UTC))
+        await conn.copy_records_to_table(
+            "fleet_clusters",
+            schema_name="gateway",
+            records=clusters,
+            columns=["cluster", "location", "kind", "nodes", "at"],
+        )
+        await conn.copy_records_to_table(
+            "fleet_nodes",
+            schema_name="gateway",
+            records=nodes,
+            columns=[
+                "node_id",
+                "cluster",
+                "block",
+                "rack",
+                "nvlink_domain",
+                "accelerator_type",
+                "generation",
+                "accelerators",
+                "accelerator_memory_gb",
+                "price_tier",
+                "schedulable",
+                "at",
+            ],
+        )
         await conn.execute("ANALYZE gateway.jobs; ANALYZE gateway.job_events;")
         await conn.execute("ANALYZE gateway.usage_ticks;")
     finally:
         await conn.close()
-    print(f"filled: {len(jobs):,} jobs, {len(events):,} history lines, {len(ticks):,} ticks")
+    print(
+        f"filled: {len(jobs):,} jobs, {len(events):,} history lines, {len(ticks):,} ticks,"
+        f" {len(nodes):,} nodes of 8 devices"
+    )
 
 
 async def deep_cursor(client: httpx.AsyncClient, pages: int) -> str:
@@ -249,7 +306,8 @@ async def measure(database: str, kafka: str, args: argparse.Namespace) -> dict[s
                 ("job detail (pending)", f"/ui/jobs/{one}", ADMIN),
                 ("cost by project, month", "/ui/cost?by=project", ADMIN),
                 ("tenants and queues", "/ui/tenants", ADMIN),
-                ("fleet", "/ui/fleet", ADMIN),
+                ("fleet, every node", "/ui/fleet", ADMIN),
+                ("fleet, one cluster", "/ui/fleet?cluster=cluster-h100", ADMIN),
                 ("scheduler health", "/ui/scheduler", ADMIN),
                 ("CSV of every job", "/ui/jobs.csv", ADMIN),
             ]

@@ -172,15 +172,18 @@ async def overview(request: Request) -> HTMLResponse:
     gw = _gw(request)
     tenant = scope(who)
     now = datetime.now(UTC)
-    by_state = await queries.jobs_by_state(gw.pool, tenant)
-    wait = await queries.queue_wait(gw.pool, tenant, now - timedelta(hours=24))
-    oldest = await queries.oldest_pending(gw.pool, tenant)
-    window = now - timedelta(hours=6)
-    xs, series = await queries.allocated_over_time(gw.pool, tenant, window)
     month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    spend = await queries.spend_by_tenant(gw.pool, cost_scope(who), month)
+    # Independent reads, each on its own pooled connection: PostgreSQL works on one while
+    # the gateway reads another's answer.
+    by_state, wait, oldest, (xs, series), spend, fleet = await asyncio.gather(
+        queries.jobs_by_state(gw.pool, tenant),
+        queries.queue_wait(gw.pool, tenant, now - timedelta(hours=24)),
+        queries.oldest_pending(gw.pool, tenant),
+        queries.allocated_over_time(gw.pool, tenant, now - timedelta(hours=6)),
+        queries.spend_by_tenant(gw.pool, cost_scope(who), month),
+        _fleet_totals(gw, who),
+    )
     budgets = budget_lines(gw, spend, cost_scope(who))
-    fleet = await _fleet_totals(gw, who)
     return page(
         request,
         who,
