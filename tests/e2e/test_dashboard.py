@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import json
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -253,6 +254,14 @@ async def test_one_tenant_cannot_see_another(
         headers={"content-type": "application/x-www-form-urlencoded"},
     )
     assert forged.status == 403
+    # More jobs than a bulk action takes at once is refused whole, with the limit.
+    csrf = json.loads(await page.locator("body").get_attribute("hx-headers") or "{}")["X-QM-CSRF"]
+    too_many = await page.request.post(
+        "/ui/jobs/cancel",
+        data="&".join(f"job_id=j{i}" for i in range(600)),
+        headers={"content-type": "application/x-www-form-urlencoded", "x-qm-csrf": csrf},
+    )
+    assert too_many.status == 400 and "at most 500" in await too_many.text()
     # The API's bearer header works on the dashboard as well, with that token's scope.
     as_nlp = await page.request.get(
         f"/ui/jobs?project={project}", headers={"Authorization": "Bearer dev-nlp"}

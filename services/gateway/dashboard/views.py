@@ -8,6 +8,7 @@ import asyncio
 import csv
 import io
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -122,14 +123,17 @@ async def login_form(request: Request, next: str | None = None) -> HTMLResponse:
 
 async def _form(request: Request) -> dict[str, list[str]]:
     body = (await request.body()).decode("utf-8", errors="replace")
-    return parse_qs(body, keep_blank_values=True, max_num_fields=MAX_BULK + 10)
+    try:
+        return parse_qs(body, keep_blank_values=True, max_num_fields=MAX_BULK + 10)
+    except ValueError:
+        raise HTTPException(400, detail=f"at most {MAX_BULK} jobs at a time") from None
 
 
 @router.post("/login")
 async def login(request: Request) -> Response:
     try:
         form = await _form(request)
-    except ValueError:
+    except HTTPException:
         form = {}
     token = (form.get("token") or [""])[0].strip()
     target = _safe_next((form.get("next") or [""])[0])
@@ -604,7 +608,7 @@ async def live_jobs(request: Request) -> Response:
 @router.get("/live/changes")
 async def live_changes(request: Request, every: float | None = None) -> Response:
     who = viewer(request)
-    every_s = None if every is None else min(max(every, 1.0), 300.0)
+    every_s = None if every is None or not math.isfinite(every) else min(max(every, 1.0), 300.0)
     return live.sse_response(live.changes_stream(_gw(request), request, scope(who), every_s))
 
 
