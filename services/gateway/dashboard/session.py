@@ -67,9 +67,12 @@ class Sessions:
     def read(self, value: str, now: float | None = None) -> Principal | None:
         digest, _, rest = value.partition(".")
         expires, _, signature = rest.partition(".")
-        if not (digest and expires.isdigit() and signature):
+        # A cookie is whatever a client sends: ASCII digits of a sane length only, and the
+        # signature compared as bytes (compare_digest refuses non-ASCII text with a TypeError).
+        if not (digest and expires.isascii() and expires.isdigit() and len(expires) <= 12):
             return None
-        if not hmac.compare_digest(self._sign(f"{digest}.{expires}"), signature):
+        expected = self._sign(f"{digest}.{expires}").encode()
+        if not hmac.compare_digest(expected, signature.encode("utf-8", "replace")):
             return None
         if int(expires) < (now or time.time()):
             return None
