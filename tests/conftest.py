@@ -9,9 +9,13 @@ database. (testcontainers would come after these; no Docker engine is assumed.)
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
 import os
+import signal
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,83 @@ _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "integration: talks to real Kafka, PostgreSQL and Redis")
     config.addinivalue_line("markers", "e2e: starts the whole stack as processes")
+    config.addinivalue_line(
+        "markers", "timeout(seconds): this test's limit per phase instead of QM_TEST_TIMEOUT_S"
+    )
+
+
+# A test that waits forever must fail, not hold the whole run until CI gives up on it. Each
+# phase of each test (setup, call, teardown) gets this many seconds; none is near it when the
+# machine is healthy. On expiry every thread's stack and every asyncio task's stack are printed,
+# then the phase fails with TestTimeout (shared/INFRA.md: no reliance on timing to pass; this
+# only bounds a hang).
+DEFAULT_TEST_TIMEOUT_S = 900.0
+
+
+class TestTimeout(Exception):
+    """A test phase ran past its limit."""
+
+
+def _limit_for(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(os.environ.get("QM_TEST_TIMEOUT_S", DEFAULT_TEST_TIMEOUT_S))
+
+
+def _dump_asyncio_tasks() -> None:
+    loop = asyncio._get_running_loop()
+    if loop is None:
+        return
+    for task in asyncio.all_tasks(loop):
+        print(f"--- asyncio task {task.get_name()}: {task.get_coro()!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    if not hasattr(signal, "SIGALRM"):
+        return (yield)
+    limit = _limit_for(item)
+
+    def expired(signum: int, frame: object) -> None:
+        print(f"\n=== {item.nodeid}: a phase ran past {limit:.0f} s; stacks:", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _dump_asyncio_tasks()
+        raise TestTimeout(f"{item.nodeid}: a phase ran past {limit:.0f} s (QM_TEST_TIMEOUT_S)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    try:
+        return (yield)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _arm(item: pytest.Item) -> None:
+    if hasattr(signal, "SIGALRM"):
+        signal.setitimer(signal.ITIMER_REAL, _limit_for(item))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _arm(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    _arm(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _arm(item)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failure is printed when it happens, so a run that is cut short still says what failed."""
+    if report.failed:
+        print(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext}", file=sys.stderr)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

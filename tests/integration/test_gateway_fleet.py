@@ -184,16 +184,20 @@ async def test_fleet_nodes_and_queues(
                 [("n1", b"\xff"), ("n1", envelope(sick, 50)), ("ghost", envelope(ghost, 50))],
             )
 
-            fleet = await until(
-                client,
-                "/v1/fleet",
-                OPS,
-                lambda b: (
-                    any(t["quarantined"] for t in b["totals"])
-                    and any(t["allocated"] == 8 for t in b["totals"])
-                    and any(t["idle"] == 4 for t in b["totals"])  # the victim has left n2
-                ),
-            )
+            # Each topic has its own consumer, so the projection reaches this state in no set
+            # order: wait for all of it (the start of j-vision-run turns its held devices
+            # allocated; the victim has left n2), then look at the rest.
+            def settled(b: dict[str, Any]) -> bool:
+                by_type = {t["accelerator_type"]: t for t in b["totals"]}
+                h100, tpu = by_type.get("H100"), by_type.get("TPU-v5e")
+                return (
+                    h100 is not None
+                    and tpu is not None
+                    and (h100["allocated"], h100["held"], h100["quarantined"]) == (8, 4, 8)
+                    and tpu["idle"] == 4
+                )
+
+            fleet = await until(client, "/v1/fleet", OPS, settled)
             totals = {t["accelerator_type"]: t for t in fleet["totals"]}
             h100 = totals["H100"]
             assert (h100["total"], h100["allocated"], h100["held"]) == (16, 8, 4)
@@ -237,8 +241,14 @@ async def test_fleet_nodes_and_queues(
                 client,
                 "/v1/queues",
                 VISION,
-                lambda b: any(
-                    r["code"] == "quota_exhausted" for r in b["tenants"][0]["pending_by_reason"]
+                # The explanation, the preemption and the requeue come on three topics.
+                lambda b: (
+                    any(
+                        r["code"] == "quota_exhausted"
+                        for r in b["tenants"][0]["pending_by_reason"]
+                    )
+                    and b["tenants"][0]["preemptions_received"] == 1
+                    and b["tenants"][0]["pending_jobs"] == 2
                 ),
             )
             (vision,) = mine_only["tenants"]
