@@ -244,8 +244,7 @@ async def test_fleet_nodes_and_queues(
                 # The explanation, the preemption and the requeue come on three topics.
                 lambda b: (
                     any(
-                        r["code"] == "quota_exhausted"
-                        for r in b["tenants"][0]["pending_by_reason"]
+                        r["code"] == "quota_exhausted" for r in b["tenants"][0]["pending_by_reason"]
                     )
                     and b["tenants"][0]["preemptions_received"] == 1
                     and b["tenants"][0]["pending_jobs"] == 2
