@@ -32,6 +32,7 @@ from core.policy import BackfillMode, Policy
 from core.preemption import VictimSearch, awaiting
 from core.quota import Admission, QuotaBook
 from core.reasons import Miss, PendingExplanation, ReasonCode, explain
+from core.service import Levels
 from core.state import CycleState
 
 __all__ = [
@@ -50,13 +51,20 @@ CAPACITY_CODES = frozenset({ReasonCode.INSUFFICIENT_CAPACITY, ReasonCode.CAPACIT
 BORROWER_OFFSET = 1e6
 
 
-def schedule(snapshot: Snapshot, policy: Policy, now: float, rng: random.Random) -> CycleResult:
+def schedule(
+    snapshot: Snapshot,
+    policy: Policy,
+    now: float,
+    rng: random.Random,
+    levels: Levels | None = None,
+) -> CycleResult:
     """Places what fits, in policy order, chooses victims where allowed, and explains the rest.
 
     `rng` is accepted so callers inject it; every tie is broken by a stable key instead.
+    `levels` carries the learned history of service levels (core/service.py), if any.
     """
     del rng
-    return decide(CycleState.from_snapshot(snapshot, policy), policy, now)
+    return decide(CycleState.from_snapshot(snapshot, policy, levels), policy, now)
 
 
 def decide(
@@ -65,6 +73,7 @@ def decide(
     """The cycle proper. With `explain_pending=False` the result carries no explanations, and
     the cycle passes by jobs whose miss is certain and changes nothing (the simulator's fast
     path); placements and preemptions are the same either way."""
+    state.queues.relevel(state.attained)
     run = _Run.start(state, policy, now, explain_pending)
     for job in in_order(state.queues, run.lane_share, None if explain_pending else run.settled):
         run.consider(job)
@@ -115,6 +124,7 @@ class _Run:
             attained=state.attained,
             preempting=state.preempting,
             protected=state.protected,
+            levels=state.levels,
             quota=state.quota,
             pending_ranks=frozenset(-tier[0] for tier in state.queues.lanes),
             policy=policy,

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from core.model import JobId, JobRequest, TenantId
 from core.placement import Shape, shape_of
 from core.policy import OrderingMode, Policy
+from core.service import Levels
 
 # (-rank, service level): smaller goes first.
 Tier = tuple[int, int]
@@ -44,14 +45,9 @@ def _by_tenant(policy: Policy) -> bool:
     return policy.ordering is OrderingMode.FAIR_SHARE or limited
 
 
-def service_level(attained: float, policy: Policy) -> int:
-    """Least-attained-service queue of a job: 0 until its first threshold, then 1, and so on."""
-    return bisect.bisect_right(policy.las.thresholds, attained)
-
-
-def tier_of(job: JobRequest, policy: Policy, attained: float) -> Tier:
-    level = service_level(attained, policy) if policy.ordering is OrderingMode.LAS else 0
-    return (-policy.rank(job.priority_class), level)
+def tier_of(job: JobRequest, levels: Levels, attained: float) -> Tier:
+    """(-priority rank, service level): see core/service.py for the levels."""
+    return (-levels.policy.rank(job.priority_class), levels.level(job, attained))
 
 
 def lane_of(job: JobRequest, policy: Policy) -> str:
@@ -70,35 +66,69 @@ class PendingQueues:
     lanes: dict[Tier, dict[str, dict[Group, list[Entry]]]] = field(default_factory=dict)
     _where: dict[JobId, tuple[Tier, str, Group]] = field(default_factory=dict)
     by_tenant: bool = True
+    # A job's level is taken when it joins (a requeued job joins again with what it attained),
+    # and again for every pending job when the history levels are learned from moves on
+    # (`relevel`, at the start of a cycle).
+    levels: Levels | None = None
+    levels_epoch: int = 0
 
     def __post_init__(self) -> None:
         self.by_tenant = _by_tenant(self.policy)
+        if self.levels is None:
+            self.levels = Levels(self.policy)
 
     @classmethod
     def build(
-        cls, jobs: Iterable[JobRequest], policy: Policy, attained: Mapping[JobId, float]
+        cls,
+        jobs: Iterable[JobRequest],
+        policy: Policy,
+        attained: Mapping[JobId, float],
+        levels: Levels | None = None,
     ) -> PendingQueues:
-        queues = cls(policy=policy)
+        queues = cls(policy=policy, levels=levels)
+        queues._fill(jobs, attained)
+        return queues
+
+    def _fill(self, jobs: Iterable[JobRequest], attained: Mapping[JobId, float]) -> None:
+        levels = self.levels
+        assert levels is not None
+        self.levels_epoch = levels.epoch
         for job in jobs:
-            tier, lane = tier_of(job, policy, attained.get(job.job_id, 0.0)), lane_of(job, policy)
-            group = group_of(job, queues.by_tenant)
-            groups = queues.lanes.setdefault(tier, {}).setdefault(lane, {})
+            tier = tier_of(job, levels, attained.get(job.job_id, 0.0))
+            lane = lane_of(job, self.policy)
+            group = group_of(job, self.by_tenant)
+            groups = self.lanes.setdefault(tier, {}).setdefault(lane, {})
             groups.setdefault(group, []).append((job.submit_time, job.job_id, job))
-            queues._where[job.job_id] = (tier, lane, group)
-        for by_lane in queues.lanes.values():
+            self._where[job.job_id] = (tier, lane, group)
+        for by_lane in self.lanes.values():
             for groups in by_lane.values():
                 for entries in groups.values():
                     entries.sort(key=_entry_key)
-        return queues
 
     def __len__(self) -> int:
         return len(self._where)
+
+    def tier(self, job_id: JobId) -> Tier | None:
+        where = self._where.get(job_id)
+        return None if where is None else where[0]
+
+    def relevel(self, attained: Mapping[JobId, float]) -> None:
+        """Every pending job's level again, if the learned history moved on since they were
+        taken: a queue kept from cycle to cycle then orders as one built afresh would."""
+        assert self.levels is not None
+        if self.levels.epoch == self.levels_epoch:
+            return
+        jobs = list(self.jobs())
+        self.lanes.clear()
+        self._where.clear()
+        self._fill(jobs, attained)
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._where
 
     def add(self, job: JobRequest, attained: float = 0.0) -> None:
-        tier = tier_of(job, self.policy, attained)
+        assert self.levels is not None
+        tier = tier_of(job, self.levels, attained)
         lane = lane_of(job, self.policy)
         group = group_of(job, self.by_tenant)
         groups = self.lanes.setdefault(tier, {}).setdefault(lane, {})

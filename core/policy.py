@@ -133,6 +133,31 @@ class Las:
     thresholds: tuple[float, ...] = (3600.0 * 8, 3600.0 * 8 * 10)
 
 
+class LevelMode(StrEnum):
+    # One service level per priority class: order is the ordering mode's alone.
+    OFF = "off"
+    # Levels by the service a job is expected to need before it ends, learned from the jobs of
+    # its kind that finished before it (core/service.py); no declared durations.
+    LEARNED = "learned"
+
+
+@dataclass(frozen=True)
+class ServiceLevels:
+    """Service levels inside a priority class: jobs expected to finish with less service go
+    first, and (with preemption on) may take the place of running jobs expected to need much
+    more. `ordering: las` keeps its own levels (attained service against `las.thresholds`)."""
+
+    mode: LevelMode = LevelMode.OFF
+    # Accelerator-seconds of expected service per completion that still count as level 0;
+    # each level above spans `ratio` times more.
+    base_s: float = 1800.0
+    ratio: float = 4.0
+    levels: int = 8
+    # Finished jobs a kind (tenant and size) needs before its own history is used instead of
+    # its tenant's (then everyone's). The last 256 of each kind are remembered.
+    min_samples: int = 16
+
+
 def _standard_classes() -> dict[str, PriorityClass]:
     classes = (
         PriorityClass("critical", 100, preempting=True, cost_sensitivity=0.0),
@@ -157,6 +182,7 @@ class Policy:
     backfill: Backfill = Backfill()
     preemption: Preemption = Preemption()
     las: Las = Las()
+    service_levels: ServiceLevels = ServiceLevels()
 
     @classmethod
     def default(cls) -> Policy:
@@ -202,6 +228,7 @@ def _parse_policy(d: Mapping[str, Any]) -> Policy:
         "backfill",
         "preemption",
         "las",
+        "service_levels",
     }
     unknown = sorted(set(d) - known)
     if unknown:
@@ -224,6 +251,7 @@ def _parse_policy(d: Mapping[str, Any]) -> Policy:
         backfill=_parse_backfill(d.get("backfill", {})),
         preemption=_parse_preemption(d.get("preemption", {})),
         las=_parse_las(d.get("las", {})),
+        service_levels=_parse_service_levels(d.get("service_levels", {})),
     )
 
 
@@ -343,6 +371,26 @@ def _parse_las(raw: Any) -> Las:
     if not isinstance(thresholds, list) or sorted(thresholds) != thresholds:
         raise PolicyError("las.thresholds: expected an ascending list of accelerator-seconds")
     return Las(thresholds=tuple(_num(t, "las.thresholds[]") for t in thresholds))
+
+
+def _parse_service_levels(raw: Any) -> ServiceLevels:
+    where = "service_levels"
+    fields = _fields(raw, where, {"mode", "base_s", "ratio", "levels", "min_samples"})
+    default = ServiceLevels()
+    mode = _enum(LevelMode, fields.pop("mode", default.mode.value), f"{where}.mode")
+    # A NaN or an infinity here would put every job in one level or none: refused by name.
+    base_s = _num(fields.get("base_s", default.base_s), f"{where}.base_s")
+    ratio = _num(fields.get("ratio", default.ratio), f"{where}.ratio")
+    if not (0 < base_s < float("inf")):
+        raise PolicyError(f"{where}.base_s: expected a positive number of seconds, got {base_s}")
+    if not (1 < ratio < float("inf")):
+        raise PolicyError(f"{where}.ratio: expected a number above 1, got {ratio}")
+    counts = {}
+    for key, high in (("levels", 64), ("min_samples", 256)):
+        counts[key] = _int(fields.get(key, getattr(default, key)), f"{where}.{key}")
+        if not 1 <= counts[key] <= high:
+            raise PolicyError(f"{where}.{key}: expected 1 to {high}, got {counts[key]}")
+    return ServiceLevels(mode=mode, base_s=base_s, ratio=ratio, **counts)
 
 
 def _fields(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:

@@ -7,18 +7,17 @@ strictly lower claim than the job it makes room for, and the policy must allow t
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from core.capacity import EPS, Capacity
 from core.decisions import PreemptionDecision, Victim
 from core.model import Allocation, JobId, JobRequest, TenantId
-from core.ordering import service_level
 from core.placement import Plan, Shape, find_placement
-from core.policy import OrderingMode, Policy
+from core.policy import Policy
 from core.quota import Admission, QuotaBook, guaranteed_jobs
 from core.reasons import Miss, ReasonCode
+from core.service import Levels
 
 
 @dataclass(frozen=True, order=True)
@@ -30,7 +29,11 @@ class Claim:
 
 
 def victim_reason(
-    preemptor: Claim, victim: Claim, preemptor_job: JobRequest, policy: Policy
+    preemptor: Claim,
+    victim: Claim,
+    preemptor_job: JobRequest,
+    policy: Policy,
+    by_service: bool | None = None,
 ) -> ReasonCode | None:
     """Why `victim` may yield to `preemptor`, or None if it may not."""
     if not victim < preemptor:
@@ -40,7 +43,9 @@ def victim_reason(
         return ReasonCode.PREEMPTED_FOR_PRIORITY if may else None
     if victim.guaranteed != preemptor.guaranteed:
         return ReasonCode.RECLAIMED_BORROWED if policy.preemption.reclaim else None
-    if policy.ordering is OrderingMode.LAS:
+    if by_service is None:
+        by_service = Levels(policy).active
+    if by_service:
         return ReasonCode.PREEMPTED_ATTAINED_SERVICE
     return None
 
@@ -63,6 +68,8 @@ class VictimPool:
     """
 
     by_type: dict[str, dict[Claim, list[Allocation]]] = field(default_factory=dict)
+    # Whether a lower service level alone lets a job take a running job's place.
+    by_service: bool = False
 
     @classmethod
     def build(
@@ -74,12 +81,13 @@ class VictimPool:
         excluded: frozenset[JobId],
         now: float,
         policy: Policy,
+        levels: Levels | None = None,
     ) -> VictimPool:
         """`excluded` names jobs already ordered to yield; jobs younger than
         `preemption.min_runtime_s` and non-preemptible jobs never enter the pool."""
         youngest_start = now - policy.preemption.min_runtime_s
-        thresholds = policy.las.thresholds
-        levels = bool(attained)
+        levels = levels or Levels(policy)
+        by_level = levels.active and bool(attained)
         # (type, priority class, guaranteed, level) -> jobs; claims are made once per bucket.
         buckets: dict[tuple[str, str, bool, int], list[Allocation]] = {}
         for job_id, alloc in running.items():
@@ -89,14 +97,14 @@ class VictimPool:
             accelerator_type = types_of.get(job_id)
             if accelerator_type is None:
                 continue
-            level = bisect.bisect_right(thresholds, attained.get(job_id, 0.0)) if levels else 0
+            level = levels.level(job, attained.get(job_id, 0.0)) if by_level else 0
             key = (accelerator_type, job.priority_class, guaranteed.get(job_id, True), level)
             bucket = buckets.get(key)
             if bucket is None:
                 buckets[key] = [alloc]
             else:
                 bucket.append(alloc)
-        pool = cls()
+        pool = cls(by_service=levels.active)
         for (accelerator_type, priority_class, inside, level), allocs in buckets.items():
             claim = Claim(policy.rank(priority_class), inside, -level)
             by_claim = pool.by_type.setdefault(accelerator_type, {})
@@ -116,7 +124,7 @@ class VictimPool:
         skip = set(taken)
         out: list[Candidate] = []
         for claim, allocs in self.by_type.get(accelerator_type, {}).items():
-            reason = victim_reason(preemptor, claim, job, policy)
+            reason = victim_reason(preemptor, claim, job, policy, self.by_service)
             if reason is None:
                 continue
             out.extend(
@@ -206,6 +214,7 @@ class VictimSearch:
     now: float
     # Never victims in this cycle, though not leaving (the preemptor declined them).
     protected: frozenset[JobId] = frozenset()
+    levels: Levels | None = None
     attempts: int = 0
     taken: set[JobId] = field(default_factory=set)
     _pool: VictimPool | None = None
@@ -213,6 +222,14 @@ class VictimSearch:
     _lowest_rank: int | None = None
     _borrowing: bool | None = None
     _exhausted: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.levels is None:
+            self.levels = Levels(self.policy)
+
+    @property
+    def _by_service(self) -> bool:
+        return self.levels is not None and self.levels.active
 
     def exhausted(self) -> bool:
         """Whether no job can get a victim search in the rest of this cycle."""
@@ -226,7 +243,7 @@ class VictimSearch:
 
     def _possible(self) -> bool:
         """Cheap test that some running job could ever be a victim in this cycle."""
-        if self.policy.ordering is OrderingMode.LAS:
+        if self._by_service:
             return bool(self.running)
         if self._priority_possible is None:
             preempting = {pc.rank for pc in self.policy.priority_classes.values() if pc.preempting}
@@ -241,7 +258,7 @@ class VictimSearch:
         cheap over-approximation of `worth_trying`; `group_tenant` "" stands for any)."""
         if self.exhausted():
             return False
-        if self.policy.ordering is OrderingMode.LAS:
+        if self._by_service:
             return True
         if self.policy.priority(priority_class).preempting and (
             self._lowest_running_rank() < self.policy.rank(priority_class)
@@ -258,7 +275,7 @@ class VictimSearch:
     def worth_trying(self, job: JobRequest, admissions: list[Admission]) -> bool:
         if self.exhausted():
             return False
-        if self.policy.ordering is OrderingMode.LAS:
+        if self._by_service:
             return True
         rank = self.policy.rank(job.priority_class)
         if self.policy.priority(job.priority_class).preempting and (
@@ -289,7 +306,8 @@ class VictimSearch:
         self._exhausted = None
         if self._awaiting_victims(job):
             return awaiting("victims chosen earlier are still leaving")
-        level = service_level(self.attained.get(job.job_id, 0.0), self.policy)
+        assert self.levels is not None
+        level = self.levels.level(job, self.attained.get(job.job_id, 0.0))
         sensitivity = self.policy.priority(job.priority_class).cost_sensitivity
         for adm in admissions:
             claim = Claim(self.policy.rank(job.priority_class), adm.guaranteed, -level)
@@ -313,6 +331,7 @@ class VictimSearch:
                 self.preempting | self.protected,
                 self.now,
                 self.policy,
+                self.levels,
             )
         return self._pool
 

@@ -12,6 +12,7 @@ from core.model import Allocation, JobId, NodeId, Snapshot
 from core.ordering import PendingQueues
 from core.policy import Policy
 from core.quota import QuotaBook
+from core.service import Levels
 
 
 @dataclass
@@ -38,8 +39,18 @@ class CycleState:
             for alloc in self.running.values():
                 self._index(alloc, add=True)
 
+    @property
+    def levels(self) -> Levels:
+        """Service levels (core/service.py), with the history the queues were built with."""
+        assert self.queues.levels is not None
+        return self.queues.levels
+
     @classmethod
-    def from_snapshot(cls, snapshot: Snapshot, policy: Policy) -> CycleState:
+    def from_snapshot(
+        cls, snapshot: Snapshot, policy: Policy, levels: Levels | None = None
+    ) -> CycleState:
+        """`levels` carries a learned history over from state to state (the live scheduler
+        keeps one for its life); None starts with none."""
         cap = Capacity.build(snapshot.nodes, snapshot.clusters, policy.prices)
         cap.charge(snapshot.running.values())
         types_of = {
@@ -51,7 +62,7 @@ class CycleState:
         return cls(
             cap=cap,
             running=dict(snapshot.running),
-            queues=PendingQueues.build(snapshot.pending, policy, snapshot.attained),
+            queues=PendingQueues.build(snapshot.pending, policy, snapshot.attained, levels),
             quota=QuotaBook.build(typed, policy),
             shares=ShareBook.build(cap, typed, snapshot.usage, policy),
             types_of=types_of,

@@ -310,4 +310,4 @@ class ElasticSimulation(Simulation):
             usage=dict(self._usage),
             attained=attained,
         )
-        self.state = CycleState.from_snapshot(snapshot, self.policy)
+        self.state = CycleState.from_snapshot(snapshot, self.policy, self.state.levels)

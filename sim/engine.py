@@ -17,8 +17,12 @@ from core.capacity import EPS, MILLI, milli
 from core.cycle import CycleState, decide
 from core.fairshare import decay
 from core.model import Allocation, Cluster, ClusterId, JobId, Node, NodeId, Snapshot, TenantId
-from core.policy import OrderingMode, Policy
+from core.policy import Policy
 from sim.workload import SimJob
+
+# Passes of the core in one cycle's instant: each pass after one that preempted places the
+# preemptors in the room their victims left (and may preempt for the next jobs in order).
+PASSES_PER_CYCLE = 4
 
 
 class EventKind(IntEnum):
@@ -205,9 +209,10 @@ class Simulation:
     def _cycle(self) -> None:
         self._last_cycle = self._now
         self._refresh_usage()
-        for _ in range(2):
-            # A second pass in the same instant lets a preemptor take the room its victims left.
-            if self.policy.ordering is OrderingMode.LAS:
+        for _ in range(PASSES_PER_CYCLE):
+            # Another pass in the same instant lets a preemptor take the room its victims left
+            # (the live scheduler cycles again as soon as a preemption has freed capacity).
+            if self.state.levels.active:
                 self.state.attained = _Attained(self.records, self._now)
             result = decide(self.state, self.policy, self._now, explain_pending=False)
             self.trace.cycles += 1
@@ -218,6 +223,8 @@ class Simulation:
                 self._preempt(victim.job_id)
             if not victims:
                 break
+        else:
+            self._want_cycle()  # room made in the last pass is used by the next cycle
 
     def _refresh_usage(self) -> None:
         """Decays past usage and adds what ran since the last cycle (`core.fairshare.accrue`
@@ -281,6 +288,8 @@ class Simulation:
         rec.attained += (self._now - (rec.run_start or self._now)) * rec.accelerators
         rec.run_start = None
         rec.remaining_s = 0.0
+        # What the live scheduler learns from a job.finished: its service over all its runs.
+        self.state.levels.record(alloc.job, rec.attained)
         self._account(alloc.job.tenant, -rec.accelerators)
         self._ledger(alloc, -1.0)
 

@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from core.model import Allocation, ClusterId, JobId, NodeId, ReplicaPlacement
+from core.service import ServiceHistory
 from schemas.events import ClusterCapacity, JobQueued, PlacementDecided
 from services.scheduler.convert import job_request
 from services.scheduler.feed import Mark
@@ -81,6 +82,9 @@ class SchedulerSnapshot(BaseModel):
     preempting: dict[str, tuple[int, str]]
     protected: dict[str, float]
     held: dict[str, float]
+    # Learned service levels (absent from snapshots written before them: empty).
+    served: dict[str, tuple[int, float]] = {}
+    history: dict[str, list[float]] = {}
 
     @property
     def progress(self) -> int:
@@ -155,6 +159,8 @@ def _frozen(state: SchedulerState, marks: Marks) -> SchedulerSnapshot:
         preempting={j: (a, str(for_job)) for j, (a, for_job) in state.preempting.items()},
         protected=dict(state.protected),
         held=dict(state.held),
+        served=dict(state.served),
+        history=state.history.export(),
     )
 
 
@@ -215,6 +221,8 @@ def restore(state: SchedulerState, snap: SchedulerSnapshot) -> Marks:
     state.preempting = {JobId(j): (a, JobId(f)) for j, (a, f) in snap.preempting.items()}
     state.protected = {JobId(j): t for j, t in snap.protected.items()}
     state.held.update({JobId(j): t for j, t in snap.held.items()})
+    state.served = {JobId(j): (a, s) for j, (a, s) in snap.served.items() if 0 <= s < float("inf")}
+    state.history = ServiceHistory.restore(snap.history)
     state.dirty = True
     return marks_of(snap)
 

@@ -4,10 +4,12 @@ from events. Replaying the topics from the start rebuilds it exactly."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from core.model import Allocation, Cluster, ClusterId, JobId, JobRequest, Node, NodeId, Snapshot
+from core.service import ServiceHistory
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
@@ -81,6 +83,34 @@ class Tracked(dict[JobId, _V]):
         return self
 
 
+class Attained(Mapping[JobId, float]):
+    """A job's attained service (accelerator-seconds) at fleet time `at`: `served` by its
+    ended runs plus the running one's so far."""
+
+    def __init__(self, state: SchedulerState, at: float) -> None:
+        self._state, self._at = state, at
+
+    def get(self, job_id: JobId, default: float | None = None) -> float | None:  # type: ignore[override]
+        served = self._state.served.get(job_id)
+        alloc = self._state.running.get(job_id)
+        if alloc is None:
+            return default if served is None else served[1]
+        ran = max(0.0, self._at - alloc.start_time) * alloc.job.total_accelerators
+        return (0.0 if served is None else served[1]) + ran
+
+    def __getitem__(self, job_id: JobId) -> float:
+        value = self.get(job_id)
+        if value is None:
+            raise KeyError(job_id)
+        return value
+
+    def __iter__(self) -> Iterator[JobId]:
+        return iter(set(self._state.served) | set(self._state.running))
+
+    def __len__(self) -> int:
+        return len(set(self._state.served) | set(self._state.running))
+
+
 @dataclass
 class SchedulerState:
     clusters: dict[ClusterId, Cluster] = field(default_factory=dict)
@@ -132,6 +162,12 @@ class SchedulerState:
     # their health, clusters) changes: the working set is rebuilt then.
     touched: set[JobId] = field(default_factory=set)
     fleet_version: int = 0
+    # Service (accelerator-seconds, fleet time) of a job's runs that ended before its current
+    # one, with the last attempt counted (each run once, whatever order the topics are read
+    # in), and the total service of finished jobs by kind: what learned service levels
+    # (core/service.py) order by. Both come from the `ran_s` of the events that end runs.
+    served: dict[JobId, tuple[int, float]] = field(default_factory=dict)
+    history: ServiceHistory = field(default_factory=ServiceHistory)
 
     def __post_init__(self) -> None:
         for name in ("pending", "running", "held"):
@@ -156,6 +192,7 @@ class SchedulerState:
             protected=frozenset(
                 j for j, until in self.protected.items() if until > now and j in self.running
             ),
+            attained=self.attained(now),
         )
 
     def backing_off(self, now: float) -> dict[JobId, float]:
@@ -291,9 +328,35 @@ class SchedulerState:
         """The platform ended a run, or it failed; the queue decides what happens next
         (job.queued or job.finished)."""
         job_id = JobId(event.job_id)
+        self._serve(job_id, event.attempt, event.ran_s)
         self._close(job_id, event.attempt)
         if self.running_attempt.get(job_id) == event.attempt:
             self._free(job_id)
+
+    def _serve(self, job_id: JobId, attempt: int, ran_s: float) -> None:
+        """Adds one ended run's service, once per attempt (the end of an older one read late
+        adds nothing). A NaN, infinite or negative run time adds nothing."""
+        job = self._request(job_id)
+        counted, total = self.served.get(job_id, (0, 0.0))
+        if job is None or attempt <= counted or job_id in self.finished:
+            return
+        ran = ran_s if 0 < ran_s < float("inf") else 0.0
+        self.served[job_id] = (attempt, total + ran * job.total_accelerators)
+
+    def _request(self, job_id: JobId) -> JobRequest | None:
+        alloc = self.running.get(job_id)
+        if alloc is not None:
+            return alloc.job
+        job = self.pending.get(job_id)
+        if job is not None:
+            return job
+        queued = self.queued.get(job_id)
+        return None if queued is None else job_request(queued, self.time_scale)
+
+    def attained(self, now: float) -> Attained:
+        """Each job's service so far at wall time `now` (ended runs plus the current one),
+        worked out for the jobs a cycle asks about only."""
+        return Attained(self, self.fleet_time(now))
 
     def _close(self, job_id: JobId, attempt: int) -> None:
         self.closed[job_id] = max(self.closed.get(job_id, 0), attempt)
@@ -358,6 +421,12 @@ class SchedulerState:
             or event.attempt <= self.closed.get(job_id, 0)
         ):
             return  # the end of an older run, or of one already ended and requeued
+        job = self._request(job_id)
+        if job is not None and event.attempt is not None:
+            # The service the job took over all its runs, for the levels of jobs like it.
+            self._serve(job_id, event.attempt, event.ran_s)
+            self.history.record(job, self.served.get(job_id, (0, 0.0))[1])
+        self.served.pop(job_id, None)
         self.closed.pop(job_id, None)
         self.refused.pop(job_id, None)
         self.pending.pop(job_id, None)

@@ -31,6 +31,7 @@ from core.capacity import EPS
 from core.cycle import CycleState
 from core.model import Allocation, JobId, JobRequest, TenantId
 from core.policy import Policy
+from core.service import Levels
 from services.scheduler.state import SchedulerState
 
 log = structlog.get_logger()
@@ -90,10 +91,13 @@ class WorkingSet:
         changed.update(j for j, until in self._held_back.items() if until <= now)
         for job_id in changed:
             self._sync(state, sched, job_id, now)
+        if state.levels.active:
+            state.attained = sched.attained(now)
         state.preempting = frozenset(sched.preempting)
         state.protected = frozenset(
             j for j, until in sched.protected.items() if until > now and j in sched.running
         )
+        state.queues.relevel(state.attained)  # as the cycle would: so the check compares alike
         if self.verify_every and self._cycles % self.verify_every == 0:
             return self._verify(sched, policy, now)
         return state
@@ -108,7 +112,7 @@ class WorkingSet:
         sched.touched.clear()
         self._recheck.clear()
         snapshot = sched.snapshot(now)
-        self.state = CycleState.from_snapshot(snapshot, policy)
+        self.state = CycleState.from_snapshot(snapshot, policy, Levels(policy, sched.history))
         self._queued = {job.job_id: job for job in snapshot.pending}
         self._held_back = {
             j: until for j, until in sched.held.items() if until > now and j in sched.pending
@@ -137,7 +141,7 @@ class WorkingSet:
             del self._queued[job_id]
             queued = None
         if visible and queued is None and job is not None:
-            state.queues.add(job)
+            state.queues.add(job, sched.served.get(job_id, (0, 0.0))[1])
             self._queued[job_id] = job
         if job is not None and not visible:
             self._held_back[job_id] = until
@@ -149,7 +153,8 @@ class WorkingSet:
         one when they agree (so long chains of updates are what gets checked)."""
         kept = self.state
         assert kept is not None
-        problems = differences(kept, CycleState.from_snapshot(sched.snapshot(now), policy))
+        fresh = CycleState.from_snapshot(sched.snapshot(now), policy, Levels(policy, sched.history))
+        problems = differences(kept, fresh)
         if not problems:
             return kept
         self.drifts += 1
@@ -170,6 +175,10 @@ def differences(kept: CycleState, fresh: CycleState) -> list[str]:
     fresh_pending = {j.job_id for j in fresh.queues.jobs()}
     if kept_pending != fresh_pending:
         out.append(f"pending: {sorted(kept_pending ^ fresh_pending)[:5]}")
+    # Priority and service level of each pending job (learned levels move with the history).
+    tiers = [j for j in kept_pending & fresh_pending if kept.queues.tier(j) != fresh.queues.tier(j)]
+    if tiers:
+        out.append(f"tiers of pending jobs: {sorted(tiers)[:5]}")
     if kept.cap.index != fresh.cap.index:
         out.append("nodes differ")
         return out

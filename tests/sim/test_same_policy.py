@@ -5,12 +5,14 @@ replay, its long-lived, incrementally kept state and fast path decide exactly wh
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from core.cycle import CycleResult, CycleState, decide, schedule
 from core.model import Snapshot
-from core.policy import Policy
+from core.policy import LevelMode, Policy, ServiceLevels
+from core.service import Levels
 from sim import engine
 from sim.engine import Simulation
 from sim.fleet import pool_fleet
@@ -50,6 +52,8 @@ def mixed(n: int, seed: int, pool_gpus: float, load: float) -> list[SimJob]:
         ("default", "mixed"),
         ("las", "mixed"),
         ("fifo-backfill", "mixed"),
+        ("learned", "whole"),
+        ("learned", "mixed"),
     ],
 )
 def test_every_cycle_decides_like_a_fresh_snapshot(
@@ -60,6 +64,13 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
     device (it once re-packed fractions and saw room the executor would refuse)."""
     if name == "quotas":
         pol = with_quotas(Policy.default(), {"t0": 16.0, "t1": 8.0, "t2": 8.0})
+    elif name == "learned":
+        # Levels learned from the jobs that finished so far: the kept queue re-levels its jobs
+        # when that history moves on, and must then order as a queue built afresh.
+        pol = replace(
+            Policy.from_dict({"preemption": {"min_runtime_s": 600}}),
+            service_levels=ServiceLevels(mode=LevelMode.LEARNED, min_samples=4),
+        )
     else:
         pol = variant(Policy.default(), name)
     if work == "mixed":
@@ -80,7 +91,8 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
             usage=dict(sim.usage),
             attained={j: state.attained[j] for j in state.attained},
         )
-        expected = schedule(snap, policy, now, random.Random(0))
+        levels = Levels(policy, state.levels.history)
+        expected = schedule(snap, policy, now, random.Random(0), levels)
         result = decide(state, policy, now, **kw)
         assert result.placements == expected.placements
         assert result.preemptions == expected.preemptions
@@ -92,5 +104,8 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
     assert summary["finished"] == len(jobs) and checked > 100
     # No node and no device past what it has, by the simulator's own per-device ledger.
     assert summary["overcommit"] == 0
-    if name in ("las", "quotas"):
+    if name in ("las", "quotas", "learned"):
         assert summary["preemptions"] > 0
+    if name == "learned":
+        history = sim.state.levels.history
+        assert history is not None and history.epoch > 10

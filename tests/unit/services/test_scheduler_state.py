@@ -365,3 +365,34 @@ def test_a_requeued_job_starts_its_refusal_count_afresh() -> None:
     refusal.reason_code = "unschedulable"
     state.on_refused(refusal, 300.0)
     assert state.held.get("j1", 0.0) <= 300.0  # type: ignore[call-overload]
+
+
+def test_service_is_counted_once_per_run_and_learned_when_the_job_ends() -> None:
+    state = SchedulerState(time_scale=1.0)
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1"), 100.0)
+    # The requeue is read before the job.preempted that says how long the run was.
+    requeue = JobQueued(
+        job_id="j1", spec=spec(job_id="j1"), submitted_at=T0, attempt=1, requeue_of_attempt=1
+    )
+    state.on_queued(requeue)
+    ended = JobPreempted(
+        job_id="j1", attempt=1, cluster="c1", reason_code="x", message="m", ran_s=40.0
+    )
+    state.on_preempted(ended)
+    state.on_preempted(ended)  # redelivered
+    accelerators = state.pending["j1"].total_accelerators  # type: ignore[index]
+    assert state.served["j1"] == (1, 40.0 * accelerators)  # type: ignore[index]
+    assert state.attained(500.0).get("j1") == 40.0 * accelerators  # type: ignore[arg-type]
+    state.on_placed(placed("j1", attempt=2), 1000.0)
+    # While it runs: what it served, plus the run so far (fleet seconds).
+    assert state.attained(1010.0)["j1"] == 50.0 * accelerators  # type: ignore[index]
+    # The schema refuses a NaN; one built past it (as a replayed old record might be) too.
+    nan = JobPreempted.model_construct(
+        job_id="j1", attempt=3, cluster="c1", reason_code="x", message="m", ran_s=float("nan")
+    )
+    state.on_finished(JobFinished(job_id="j1", outcome=Outcome.SUCCEEDED, attempt=2, ran_s=60.0))
+    state.on_preempted(nan)  # read after the end: nothing
+    assert "j1" not in state.served
+    (kind,) = [v for k, v in state.history.export().items() if k.startswith("k")]
+    assert kind == [100.0 * accelerators]

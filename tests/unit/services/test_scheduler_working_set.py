@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from bench.inventory import inventory
 from core.model import JobId, NodeId
 from core.policy import Policy
+from core.service import Levels
 from schemas.events import Claim as WireClaim
 from schemas.events import (
     ClusterCapacity,
@@ -52,6 +53,8 @@ POLICY = Policy.from_dict(
             "nlp": {"cohort": "all", "quotas": {"H100": 8, "T4": 4}},
         },
         "preemption": {"min_runtime_s": 0},
+        # Levels learned from the runs that end below (so the kept queue re-levels its jobs).
+        "service_levels": {"mode": "learned", "min_samples": 2, "base_s": 5, "ratio": 2},
     }
 )
 # (size of a replica, replicas): whole devices, gangs and fractions of a shared device.
@@ -177,8 +180,9 @@ class World:
         job_id = self.running(pick)
         if job_id is not None:
             attempt = self.state.running_attempt[job_id]
+            ran = float(30 * (pick % 7))
             self.state.on_finished(
-                JobFinished(job_id=job_id, outcome=Outcome.SUCCEEDED, attempt=attempt)
+                JobFinished(job_id=job_id, outcome=Outcome.SUCCEEDED, attempt=attempt, ran_s=ran)
             )
 
     def end_and_requeue(self, pick: int, failed: bool, backoff: float) -> None:
@@ -206,6 +210,7 @@ class World:
                     cluster=cluster,
                     reason_code="node_failed",
                     message="gone",
+                    ran_s=float(45 * (pick % 5)),
                 )
             )
         first = self.queued[job_id]
@@ -406,7 +411,9 @@ def test_a_cycle_rebuilds_only_when_the_fleet_changes() -> None:
     assert kept is not None
     from core.cycle import CycleState
 
-    fresh = CycleState.from_snapshot(world.state.snapshot(world.now), POLICY)
+    fresh = CycleState.from_snapshot(
+        world.state.snapshot(world.now), POLICY, Levels(POLICY, world.state.history)
+    )
     assert differences(kept, fresh) == []
 
 
@@ -420,7 +427,9 @@ def test_differences_names_what_drifted() -> None:
     assert kept is not None and kept.running
     from core.cycle import CycleState
 
-    fresh = CycleState.from_snapshot(world.state.snapshot(world.now), POLICY)
+    fresh = CycleState.from_snapshot(
+        world.state.snapshot(world.now), POLICY, Levels(POLICY, world.state.history)
+    )
     assert differences(kept, fresh) == []
     alloc = next(iter(kept.running.values()))
     kept.cap.release(alloc.replicas)  # capacity freed while the job still runs

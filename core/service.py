@@ -1,0 +1,210 @@
+"""Service levels: inside a priority class, which pending job goes first and which running job may
+yield to a waiting one, by how much service (accelerator-seconds) each is expected to need.
+
+Nobody declares a duration. `ordering: las` (Tiresias-like) levels jobs by the service they have
+attained: the more a job has run, the later it goes. `service_levels.mode: learned` levels a job
+by the service it is expected to need before its next chance of ending, from the total service of
+jobs of its kind that finished before it: its Gittins index, `sup_d P(S - a <= d | S > a) /
+E[min(S - a, d) | S > a]`, over the empirical distribution of S for its kind, given the service
+`a` it has attained. The inverse of the index is the expected service spent per completion
+("effort"); a job of a kind whose jobs are mostly short has a small effort and goes first; one
+that has outlived most of its kind has a large one (and with a heavy-tailed history, the longer
+it runs the larger), so it yields to newcomers as under LAS, but only as far as its kind
+suggests. A kind is (tenant, accelerators asked); one with too few finished jobs borrows its
+tenant's history, then everyone's; with no history at all every job is level 0 (the order is the
+ordering mode's alone).
+
+Levels are computed by the same code in the live scheduler and the simulator; both feed the
+history with the same thing: a finished job's service over all its runs (`record`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from core.model import JobRequest
+from core.policy import LevelMode, OrderingMode, Policy
+
+# A kind's history is summarised (sorted, prefix sums) when first asked after a change; the
+# level of a job is cached per (kind, that summary's version, attained service rounded down to
+# a step of this ratio), so a cycle asking about hundreds of running jobs costs lookups.
+_ATTAINED_STEP = 1.1
+
+
+def gittins_effort(samples: list[float], prefix: list[float], attained: float) -> float | None:
+    """Expected service spent per completion for a job that has `attained` service, given the
+    ascending `samples` of its kind's total service and their running sums `prefix` (prefix[i]
+    is the sum of samples[:i]). None when no sample exceeds `attained` (nothing of its kind ran
+    that long)."""
+    first = bisect.bisect_right(samples, attained)
+    n = len(samples) - first
+    if n <= 0:
+        return None
+    best = math.inf
+    # Serve up to the j-th longer sample: j of n finish, at a cost of the work done on all n.
+    for j in range(1, n + 1):
+        edge = samples[first + j - 1] - attained
+        spent = (prefix[first + j] - prefix[first]) - j * attained + (n - j) * edge
+        cost = spent / j
+        if cost < best:
+            best = cost
+    return best
+
+
+@dataclass
+class _Kind:
+    recent: deque[float]
+    # Jobs recorded so far, and as of the summary below. The summary (what levels are computed
+    # from) moves on once `recent` has moved on by a sixteenth of itself, not on every end, and
+    # at record time, so that levels depend only on what was recorded, never on when asked.
+    version: int = 0
+    summary_version: int = -1
+    samples: list[float] = field(default_factory=list)
+    prefix: list[float] = field(default_factory=list)
+
+    def refresh_due(self) -> bool:
+        step = max(1, len(self.recent) // 16)
+        return self.summary_version < 0 or self.version - self.summary_version >= step
+
+    def refresh(self) -> None:
+        self.samples = sorted(self.recent)
+        prefix = [0.0]
+        for value in self.samples:
+            prefix.append(prefix[-1] + value)
+        self.prefix = prefix
+        self.summary_version = self.version
+
+
+KindKey = tuple[str, ...]
+
+
+def kinds_of(job: JobRequest) -> tuple[KindKey, KindKey, KindKey]:
+    """From the most to the least specific: tenant and size, tenant, everyone."""
+    size = f"{job.total_accelerators:g}"
+    return (("k", job.tenant, size), ("t", job.tenant), ("all",))
+
+
+# Finished jobs remembered per kind.
+PER_KIND = 256
+
+
+@dataclass(eq=False)
+class ServiceHistory:
+    """The total service of the last `PER_KIND` finished jobs of each kind (and of each
+    tenant, and of everyone)."""
+
+    kinds: dict[KindKey, _Kind] = field(default_factory=dict)
+    # Bumped whenever some kind's summary moves on: levels computed before may differ now.
+    epoch: int = 0
+
+    def record(self, job: JobRequest, service: float) -> None:
+        """A job ended (succeeded, failed or was cancelled) after `service` accelerator-seconds
+        over all its runs. A NaN, an infinity or a negative amount is not history."""
+        if not math.isfinite(service) or service < 0:
+            return
+        for key in kinds_of(job):
+            kind = self.kinds.get(key)
+            if kind is None:
+                kind = self.kinds[key] = _Kind(deque(maxlen=PER_KIND))
+            kind.recent.append(service)
+            kind.version += 1
+            if kind.refresh_due():
+                kind.refresh()
+                self.epoch += 1
+
+    def kind_for(self, job: JobRequest, min_samples: int) -> tuple[KindKey, _Kind] | None:
+        for key in kinds_of(job):
+            kind = self.kinds.get(key)
+            if kind is not None and len(kind.samples) >= min_samples:
+                return key, kind
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ServiceHistory) and self.export() == other.export()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def export(self) -> dict[str, list[float]]:
+        """For a snapshot: kind (joined with '\\x1f') -> remembered service, oldest first."""
+        return {"\x1f".join(key): list(kind.recent) for key, kind in self.kinds.items()}
+
+    @classmethod
+    def restore(cls, saved: dict[str, list[float]]) -> ServiceHistory:
+        history = cls()
+        for name, values in saved.items():
+            kept = (v for v in values if math.isfinite(v) and v >= 0)
+            recent: deque[float] = deque(kept, maxlen=PER_KIND)
+            kind = _Kind(recent, version=len(recent))
+            kind.refresh()
+            history.kinds[tuple(name.split("\x1f"))] = kind
+        history.epoch = 1
+        return history
+
+
+@dataclass
+class Levels:
+    """The service level of a job (0 goes first) under a policy, with the history it learns
+    from when the policy asks for learned levels."""
+
+    policy: Policy
+    history: ServiceHistory | None = None
+    _cache: dict[tuple[KindKey, int, int], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.history is None:
+            self.history = ServiceHistory()
+
+    @property
+    def active(self) -> bool:
+        """Whether levels can differ at all (else every job is level 0)."""
+        return (
+            self.policy.ordering is OrderingMode.LAS
+            or self.policy.service_levels.mode is LevelMode.LEARNED
+        )
+
+    def level(self, job: JobRequest, attained: float) -> int:
+        policy = self.policy
+        if policy.ordering is OrderingMode.LAS:
+            return bisect.bisect_right(policy.las.thresholds, attained)
+        if policy.service_levels.mode is not LevelMode.LEARNED or self.history is None:
+            return 0
+        found = self.history.kind_for(job, policy.service_levels.min_samples)
+        if found is None:
+            return 0
+        key, kind = found
+        samples, prefix = kind.samples, kind.prefix
+        step = -1 if attained <= 0 else int(math.log(attained) / math.log(_ATTAINED_STEP))
+        cached = self._cache.get((key, kind.summary_version, step))
+        if cached is not None:
+            return cached
+        # The level of the step's lower edge: every job in the step gets the same one.
+        edge = 0.0 if step < 0 else _ATTAINED_STEP**step
+        effort = gittins_effort(samples, prefix, edge)
+        value = self._level_of(edge if effort is None else effort)
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        self._cache[(key, kind.summary_version, step)] = value
+        return value
+
+    def _level_of(self, effort: float) -> int:
+        """Level 0 up to `base_s` of effort, then one more per `ratio` times as much. A job that
+        outlived all its kind's history is levelled by what it has attained (as under LAS)."""
+        sl = self.policy.service_levels
+        if effort <= sl.base_s:
+            return 0
+        return min(sl.levels - 1, 1 + int(math.log(effort / sl.base_s) / math.log(sl.ratio)))
+
+    @property
+    def epoch(self) -> int:
+        """Changes whenever a level computed earlier may have changed (LAS levels depend on
+        attained service alone: never)."""
+        if self.policy.service_levels.mode is not LevelMode.LEARNED or self.history is None:
+            return 0
+        return self.history.epoch
+
+    def record(self, job: JobRequest, service: float) -> None:
+        assert self.history is not None
+        self.history.record(job, service)

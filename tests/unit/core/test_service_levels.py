@@ -1,0 +1,197 @@
+"""Learned service levels (core/service.py): the Gittins effort against a plain recount, levels
+from a kind's history, the order they give pending jobs, and the preemptions they allow."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.cycle import decide
+from core.errors import PolicyError
+from core.model import JobId
+from core.ordering import PendingQueues
+from core.policy import LevelMode, OrderingMode, Policy, ServiceLevels
+from core.reasons import ReasonCode
+from core.service import PER_KIND, Levels, ServiceHistory, gittins_effort
+from core.state import CycleState
+from tests.unit.core.builders import gpu_nodes, job, running, snapshot
+
+LEARNED = replace(
+    Policy.from_dict({"preemption": {"min_runtime_s": 0}}),
+    service_levels=ServiceLevels(mode=LevelMode.LEARNED, min_samples=4),
+)
+
+
+def summary(samples: list[float]) -> tuple[list[float], list[float]]:
+    ordered = sorted(samples)
+    prefix = [0.0]
+    for value in ordered:
+        prefix.append(prefix[-1] + value)
+    return ordered, prefix
+
+
+def recount(samples: list[float], attained: float) -> float | None:
+    """The definition, term by term: for each quantum d up to a longer sample, the expected
+    work min(S - a, d) over the jobs still running at a, divided by the share that ends."""
+    alive = [s for s in samples if s > attained]
+    if not alive:
+        return None
+    best = math.inf
+    for edge in alive:
+        d = edge - attained
+        ended = sum(1 for s in alive if s - attained <= d) / len(alive)
+        work = sum(min(s - attained, d) for s in alive) / len(alive)
+        best = min(best, work / ended)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=40),
+    st.floats(0, 1e6, allow_nan=False),
+)
+def test_gittins_effort_matches_the_definition(samples: list[float], attained: float) -> None:
+    got = gittins_effort(*summary(samples), attained)
+    want = recount(samples, attained)
+    if want is None:
+        assert got is None
+    else:
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-6)
+
+
+def test_a_mostly_short_kind_has_little_effort_until_its_jobs_outlive_it() -> None:
+    samples, prefix = summary([100.0] * 9 + [100_000.0])
+    fresh = gittins_effort(samples, prefix, 0.0)
+    assert fresh is not None and fresh < 200  # nine in ten end after 100 s
+    # Past 100 s only the long one is left: all of its remaining work per completion.
+    assert gittins_effort(samples, prefix, 150.0) == pytest.approx(100_000.0 - 150.0)
+    assert gittins_effort(samples, prefix, 200_000.0) is None
+
+
+def history_of(tenant: str, accelerators: float, services: list[float]) -> ServiceHistory:
+    history = ServiceHistory()
+    for i, service in enumerate(services):
+        history.record(job(accelerators, job_id=f"h{i}", tenant=tenant), service)
+    return history
+
+
+def test_levels_follow_each_kind_and_fall_back_to_tenant_then_everyone() -> None:
+    history = history_of("quick", 1, [600.0] * 8)
+    for i, service in enumerate([4e6] * 8):
+        history.record(job(8, job_id=f"l{i}", tenant="slow"), service)
+    levels = Levels(LEARNED, history)
+    quick, slow = job(1, tenant="quick"), job(8, tenant="slow")
+    assert levels.level(quick, 0.0) == 0
+    assert levels.level(slow, 0.0) >= 5
+    # A kind with no history of its own borrows its tenant's: quick's 4-GPU jobs.
+    assert levels.level(job(4, tenant="quick"), 0.0) == 0
+    # A tenant with none borrows everyone's, half short and half long: a fresh job may well be
+    # short (level 0); one that outlived the short half is expected to be long.
+    assert levels.level(job(2, tenant="new"), 0.0) == 0
+    assert levels.level(job(2, tenant="new"), 1000.0) == levels.level(slow, 1000.0) >= 5
+    # Outliving its kind: levelled by what it attained.
+    assert levels.level(quick, 1e7) == LEARNED.service_levels.levels - 1
+
+
+def test_without_history_or_when_off_every_job_is_level_zero() -> None:
+    assert Levels(LEARNED).level(job(8), 0.0) == 0
+    history = history_of("t", 8, [4e6] * 8)
+    assert Levels(Policy.default(), history).level(job(8, tenant="t"), 0.0) == 0
+    assert not Levels(Policy.default()).active
+    las = replace(Policy.default(), ordering=OrderingMode.LAS)
+    assert Levels(las).level(job(8), 1e7) == len(las.las.thresholds)
+
+
+def test_history_keeps_the_last_per_kind_and_refuses_nonsense() -> None:
+    history = ServiceHistory()
+    j = job(1, tenant="t")
+    for value in (float("nan"), float("inf"), -1.0):
+        history.record(j, value)
+    assert history.kinds == {}
+    for i in range(PER_KIND + 10):
+        history.record(j, float(i))
+    (key, kind) = history.kind_for(j, 1) or (None, None)
+    assert key == ("k", "t", "1") and kind is not None
+    assert kind.recent[0] == 10.0 and len(kind.recent) == PER_KIND
+    restored = ServiceHistory.restore({**history.export(), "all": [1.0, float("nan"), -2.0]})
+    assert restored.export()["k\x1ft\x1f1"] == history.export()["k\x1ft\x1f1"]
+    assert restored.export()["all"] == [1.0]
+
+
+def state_with(history: ServiceHistory, snap_pending: list, snap_running: list) -> CycleState:  # type: ignore[type-arg]
+    snap = snapshot(gpu_nodes(1), snap_pending, snap_running)
+    return CycleState.from_snapshot(snap, LEARNED, Levels(LEARNED, history))
+
+
+def test_a_job_of_a_short_kind_goes_before_an_older_one_of_a_long_kind() -> None:
+    history = history_of("quick", 8, [600.0] * 8)
+    for i in range(8):
+        history.record(job(8, job_id=f"l{i}", tenant="slow"), 4e6)
+    waiting = [
+        job(8, job_id="long", tenant="slow", submit=0),
+        job(8, job_id="short", tenant="quick", submit=50),
+    ]
+    state = state_with(history, waiting, [])
+    result = decide(state, LEARNED, now=100.0)
+    assert [a.job.job_id for a in result.placements] == [JobId("short")]
+
+
+def test_a_long_running_job_of_a_long_kind_yields_to_a_short_kind() -> None:
+    history = history_of("quick", 8, [600.0] * 8)
+    for i in range(8):
+        history.record(job(8, job_id=f"l{i}", tenant="slow"), 4e6)
+    veteran = running(job(8, job_id="veteran", tenant="slow"), "c1-n-0000", start=0)
+    state = state_with(history, [job(8, job_id="short", tenant="quick", submit=50)], [veteran])
+    state.attained = {JobId("veteran"): 8 * 3600.0}
+    (decision,) = decide(state, LEARNED, now=3600.0).preemptions
+    assert decision.victims[0].reason is ReasonCode.PREEMPTED_ATTAINED_SERVICE
+    # The same jobs with levels off: nobody yields.
+    off = replace(LEARNED, service_levels=ServiceLevels())
+    plain = CycleState.from_snapshot(
+        snapshot(gpu_nodes(1), [job(8, job_id="short", tenant="quick")], [veteran]), off
+    )
+    assert not decide(plain, off, now=3600.0).preemptions
+
+
+@pytest.mark.parametrize(
+    ("section", "error"),
+    [
+        ({"mode": "psychic"}, "service_levels.mode"),
+        ({"base_s": float("nan")}, "service_levels.base_s"),
+        ({"base_s": 0}, "service_levels.base_s"),
+        ({"ratio": 1}, "service_levels.ratio"),
+        ({"ratio": float("inf")}, "service_levels.ratio"),
+        ({"levels": 0}, "service_levels.levels"),
+        ({"min_samples": 1000}, "service_levels.min_samples"),
+        ({"history": 10}, "unknown"),
+    ],
+)
+def test_the_policy_section_refuses_what_would_break_levels(
+    section: dict[str, object], error: str
+) -> None:
+    with pytest.raises(PolicyError, match=error):
+        Policy.from_dict({"service_levels": section})
+
+
+def test_the_policy_section_parses() -> None:
+    pol = Policy.from_dict({"service_levels": {"mode": "learned", "base_s": 600, "levels": 4}})
+    assert pol.service_levels == ServiceLevels(LevelMode.LEARNED, 600.0, 4.0, 4, 16)
+
+
+def test_a_kept_queue_relevels_its_jobs_when_the_history_moves_on() -> None:
+    history = ServiceHistory()
+    levels = Levels(LEARNED, history)
+    waiting = job(8, job_id="w", tenant="t")
+    queues = PendingQueues.build([waiting], LEARNED, {}, levels)
+    assert queues.tier(JobId("w")) == (-10, 0)  # no history yet: level 0
+    for i in range(8):
+        history.record(job(8, job_id=f"h{i}", tenant="t"), 4e6)
+    fresh = PendingQueues.build([waiting], LEARNED, {}, Levels(LEARNED, history))
+    assert queues.tier(JobId("w")) != fresh.tier(JobId("w"))
+    queues.relevel({})
+    assert queues.tier(JobId("w")) == fresh.tier(JobId("w"))
+    assert [j.job_id for j in queues.jobs()] == ["w"]
