@@ -33,9 +33,10 @@ def victim_reason(
     victim: Claim,
     preemptor_job: JobRequest,
     policy: Policy,
-    by_service: bool | None = None,
+    by_service: bool,
 ) -> ReasonCode | None:
-    """Why `victim` may yield to `preemptor`, or None if it may not."""
+    """Why `victim` may yield to `preemptor`, or None if it may not; `by_service`: whether a
+    lower service level alone is a reason (las or learned levels)."""
     if not victim < preemptor:
         return None
     if victim.rank < preemptor.rank:
@@ -43,8 +44,6 @@ def victim_reason(
         return ReasonCode.PREEMPTED_FOR_PRIORITY if may else None
     if victim.guaranteed != preemptor.guaranteed:
         return ReasonCode.RECLAIMED_BORROWED if policy.preemption.reclaim else None
-    if by_service is None:
-        by_service = Levels(policy).active
     if by_service:
         return ReasonCode.PREEMPTED_ATTAINED_SERVICE
     return None
