@@ -6,9 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from core.policy import Backfill, BackfillMode, OrderingMode, Policy, TenantPolicy
+from core.policy import (
+    Backfill,
+    BackfillMode,
+    LevelMode,
+    OrderingMode,
+    Policy,
+    ServiceLevels,
+    TenantPolicy,
+)
 
-VARIANTS = ("fifo", "fifo-backfill", "default", "las")
+VARIANTS = ("fifo", "fifo-backfill", "default", "las", "learned")
 
 
 class UnknownVariant(ValueError):
@@ -16,10 +24,22 @@ class UnknownVariant(ValueError):
 
 
 def variant(base: Policy, name: str) -> Policy:
-    """`base` as the named policy: 'default' is the file itself."""
+    """`base` as the named policy: 'default' is the file itself; the others keep its tenants,
+    fleet knobs and placement, and set ordering, levels, backfill and preemption."""
     no_preemption = replace(base.preemption, enabled=False)
     if name == "default":
         return base
+    if name == "learned":
+        # The file's policy with learned service levels (core/service.py) and preemption on.
+        levels = base.service_levels
+        if levels.mode is not LevelMode.LEARNED:
+            levels = replace(levels, mode=LevelMode.LEARNED)
+        return replace(
+            base,
+            service_levels=levels,
+            preemption=replace(base.preemption, enabled=True),
+        )
+    base = replace(base, service_levels=ServiceLevels())
     if name == "fifo":
         # Strict FIFO: the head of the line blocks everything behind it.
         return replace(
