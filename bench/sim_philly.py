@@ -86,10 +86,10 @@ def quality(run: Comparison) -> None:
         )
 
 
-def tenants(quota_run: Comparison) -> dict[str, dict[str, float]]:
-    s = quota_run.summaries["default"]
+def tenants(quota_run: Comparison, name: str = "default") -> dict[str, dict[str, float]]:
+    s = quota_run.summaries[name]
     print(
-        f"  default with quotas: avg JCT {s['avg_jct_s']:.0f} s, util(backlog) "
+        f"  {name} with quotas: avg JCT {s['avg_jct_s']:.0f} s, util(backlog) "
         f"{s['utilization_backlog']:.3f}, preemptions {s['preemptions']} (reclaim), "
         f"overcommit {s['overcommit']}, wall {s['wall_s']:.1f} s"
     )
@@ -117,7 +117,7 @@ def bars(walls: dict[str, float], run: Comparison) -> list[str]:
             f"{walls['default']:.1f} s <= {WALL_BAR_S:g} s"
         )
     fifo = run.summaries.get("fifo", {}).get("avg_jct_s")
-    for name in ("default", "las"):
+    for name in ("default", "las", "learned"):
         s = run.summaries.get(name)
         if s is None or not fifo:
             continue
@@ -162,8 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         TRACES / "philly_vc_nodes.csv", [j.request.tenant for j in window], capacity
     )
     print("Oct-Nov 2017 with per-VC quotas scaled to the pool (one cohort, reclaim on):")
-    quota_run = compare(fleet, base, window, ["default"], INTERVAL_S, entitlement=ent)
-    shares = tenants(quota_run)
+    quota_policies = [p for p in ("default", "learned") if p == "default" or p in policies]
+    quota_run = compare(fleet, base, window, quota_policies, INTERVAL_S, entitlement=ent)
+    shares = {name: tenants(quota_run, name) for name in quota_policies}
 
     for line in bars(walls, run):
         print(line)
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                 "full_wall_s": {k: round(v, 1) for k, v in walls.items()},
                 "window_wall_s": {k: round(s["wall_s"], 1) for k, s in run.summaries.items()},
                 "preemptions": {k: s["preemptions"] for k, s in run.summaries.items()},
-                "quota_tenants": shares,
+                "quota_tenants": shares["default"],
+                "quota_tenants_by_policy": shares,
                 "total_wall_s": round(time.perf_counter() - started, 1),
                 "setup": {
                     **describe(),

@@ -18,7 +18,7 @@ from core.capacity import EPS
 from core.decisions import CycleResult, PreemptionDecision, Victim
 from core.fairshare import ShareBook
 from core.model import Allocation, JobId, JobRequest, Snapshot, TenantId
-from core.ordering import Group, in_order
+from core.ordering import BORROWER_OFFSET, Group, in_order
 from core.placement import (
     Plan,
     Shape,
@@ -47,8 +47,6 @@ __all__ = [
 
 # Misses that mean "the fleet is busy", as opposed to quota or an impossible request.
 CAPACITY_CODES = frozenset({ReasonCode.INSUFFICIENT_CAPACITY, ReasonCode.CAPACITY_RESERVED})
-# Added to the share of a tenant with no nominal quota left: larger than any real share.
-BORROWER_OFFSET = 1e6
 
 
 def schedule(

@@ -20,6 +20,10 @@ from core.placement import Shape, shape_of
 from core.policy import OrderingMode, Policy
 from core.service import Levels
 
+# Added (by core.cycle) to the share of a tenant with no nominal quota left: larger than any
+# real share, so a share at or above it means its tenant could only borrow.
+BORROWER_OFFSET = 1e6
+
 # (-rank, service level): smaller goes first.
 Tier = tuple[int, int]
 Entry = tuple[float, JobId, JobRequest]
@@ -169,7 +173,18 @@ def in_order(
     `settled(group)`, asked whenever a group's next job is due, lets the caller drop a group
     for the rest of the iteration; it must stay true once it has been true.
     """
-    for tier in sorted(queues.lanes):
+    tiers = sorted(queues.lanes)
+    by_tenant_lanes = queues.policy.ordering is OrderingMode.FAIR_SHARE
+    i = 0
+    while i < len(tiers):
+        tier = tiers[i]
+        same_rank = [t for t in tiers[i:] if t[0] == tier[0]]
+        if by_tenant_lanes and len(same_rank) > 1:
+            # Service levels under fair share: quota standing comes before the level.
+            yield from _levels_of_one_rank(queues, same_rank, share, settled)
+            i += len(same_rank)
+            continue
+        i += 1
         lanes = queues.lanes[tier]
         if len(lanes) == 1:
             yield from _lane(next(iter(lanes.values())), settled)
@@ -183,6 +198,41 @@ def in_order(
             if job is not None:
                 yield job
                 heapq.heappush(heap, (share(lane), lane))
+
+
+def _levels_of_one_rank(
+    queues: PendingQueues,
+    tiers: list[Tier],
+    share: Callable[[str], float],
+    settled: Callable[[Group], bool] | None,
+) -> Iterator[JobRequest]:
+    """One priority rank's jobs over several service levels, tenants as lanes: a tenant still
+    inside its nominal quota goes before one that could only borrow, whatever their levels
+    (as in a preemption claim: rank, quota standing, then level); then the lower level; then
+    the lower share. A lane's share moves when its tenant is placed, so every (level, lane)
+    entry is checked against its current key when it comes up and put back if it moved."""
+
+    def key(level: int, lane: str) -> tuple[bool, int, float, str]:
+        value = share(lane)
+        return (value >= BORROWER_OFFSET, level, value, lane)
+
+    streams = {
+        (tier[1], lane): _lane(groups, settled)
+        for tier in tiers
+        for lane, groups in queues.lanes[tier].items()
+    }
+    heap = [(key(level, lane), level, lane) for level, lane in streams]
+    heapq.heapify(heap)
+    while heap:
+        stored, level, lane = heapq.heappop(heap)
+        current = key(level, lane)
+        if current != stored:
+            heapq.heappush(heap, (current, level, lane))
+            continue
+        job = next(streams[(level, lane)], None)
+        if job is not None:
+            yield job
+            heapq.heappush(heap, (key(level, lane), level, lane))
 
 
 def _lane(

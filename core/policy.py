@@ -453,6 +453,9 @@ def _bool(value: Any, where: str) -> bool:
 
 
 def _enum(kind: type[_E], value: Any, where: str) -> _E:
+    # YAML 1.1 reads an unquoted `off` as false: that is what the writer meant.
+    if value is False and "off" in {m.value for m in kind}:
+        value = "off"
     try:
         return kind(value)
     except ValueError:

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -195,3 +196,43 @@ def test_a_kept_queue_relevels_its_jobs_when_the_history_moves_on() -> None:
     queues.relevel({})
     assert queues.tier(JobId("w")) == fresh.tier(JobId("w"))
     assert [j.job_id for j in queues.jobs()] == ["w"]
+
+
+def test_an_unquoted_off_in_yaml_means_off() -> None:
+    """YAML 1.1 reads `off` as false; the policy file says `mode: off` unquoted."""
+    text = "service_levels: {mode: off}\nbackfill: {mode: off}\n"
+    pol = Policy.from_dict(yaml.safe_load(text))
+    assert pol.service_levels.mode is LevelMode.OFF
+    assert pol.backfill.mode.value == "off"
+    with pytest.raises(PolicyError, match="service_levels.mode"):
+        Policy.from_dict(yaml.safe_load("service_levels: {mode: on}"))
+
+
+def test_a_tenant_inside_its_quota_goes_before_shorter_borrowed_work() -> None:
+    """Under fair share, quota standing comes before the level (as in a preemption claim): a
+    lender's long job is not left behind a borrower's shorter ones."""
+    quotas = replace(
+        Policy.from_dict(
+            {
+                "tenants": {
+                    "lender": {"cohort": "c", "quotas": {"H100": 8}},
+                    "borrower": {"cohort": "c", "quotas": {"H100": 0}},
+                },
+                "preemption": {"enabled": False},
+            }
+        ),
+        service_levels=ServiceLevels(mode=LevelMode.LEARNED, min_samples=4),
+    )
+    history = history_of("borrower", 8, [600.0] * 8)
+    for i in range(8):
+        history.record(job(8, job_id=f"l{i}", tenant="lender"), 4e6)
+    waiting = [
+        job(8, job_id="short", tenant="borrower", submit=0),
+        job(8, job_id="long", tenant="lender", submit=50),
+    ]
+    snap = snapshot(gpu_nodes(1), waiting, [])
+    levels = Levels(quotas, history)
+    state = CycleState.from_snapshot(snap, quotas, levels)
+    assert levels.level(waiting[0], 0.0) < levels.level(waiting[1], 0.0)
+    result = decide(state, quotas, now=100.0)
+    assert [a.job.job_id for a in result.placements] == [JobId("long")]
