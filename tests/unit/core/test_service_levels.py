@@ -204,7 +204,7 @@ def test_an_unquoted_off_in_yaml_means_off() -> None:
     pol = Policy.from_dict(yaml.safe_load(text))
     assert pol.service_levels.mode is LevelMode.OFF
     assert pol.backfill.mode.value == "off"
-    with pytest.raises(PolicyError, match="service_levels.mode"):
+    with pytest.raises(PolicyError, match=r"service_levels\.mode"):
         Policy.from_dict(yaml.safe_load("service_levels: {mode: on}"))
 
 
