@@ -9,14 +9,13 @@ from dataclasses import replace
 from core.policy import (
     Backfill,
     BackfillMode,
-    LevelMode,
     OrderingMode,
     Policy,
     ServiceLevels,
     TenantPolicy,
 )
 
-VARIANTS = ("fifo", "fifo-backfill", "default", "las", "learned")
+VARIANTS = ("fifo", "fifo-backfill", "fair-share", "default", "las")
 
 
 class UnknownVariant(ValueError):
@@ -25,21 +24,15 @@ class UnknownVariant(ValueError):
 
 def variant(base: Policy, name: str) -> Policy:
     """`base` as the named policy: 'default' is the file itself; the others keep its tenants,
-    fleet knobs and placement, and set ordering, levels, backfill and preemption."""
+    fleet knobs and placement, turn service levels off and set ordering, backfill and
+    preemption ('fair-share' changes nothing else)."""
     no_preemption = replace(base.preemption, enabled=False)
     if name == "default":
         return base
-    if name == "learned":
-        # The file's policy with learned service levels (core/service.py) and preemption on.
-        levels = base.service_levels
-        if levels.mode is not LevelMode.LEARNED:
-            levels = replace(levels, mode=LevelMode.LEARNED)
-        return replace(
-            base,
-            service_levels=levels,
-            preemption=replace(base.preemption, enabled=True),
-        )
     base = replace(base, service_levels=ServiceLevels())
+    if name == "fair-share":
+        # The file's policy without service levels: fair share and reclaim only.
+        return base
     if name == "fifo":
         # Strict FIFO: the head of the line blocks everything behind it.
         return replace(
