@@ -71,6 +71,7 @@ def decide(
     """The cycle proper. With `explain_pending=False` the result carries no explanations, and
     the cycle passes by jobs whose miss is certain and changes nothing (the simulator's fast
     path); placements and preemptions are the same either way."""
+    state.levels.refresh(now)
     state.queues.relevel(state.attained)
     run = _Run.start(state, policy, now, explain_pending)
     for job in in_order(state.queues, run.lane_share, None if explain_pending else run.settled):

@@ -156,6 +156,9 @@ class ServiceLevels:
     # Finished jobs a kind (tenant and size) needs before its own history is used instead of
     # its tenant's (then everyone's). The last 256 of each kind are remembered.
     min_samples: int = 16
+    # What has finished is learned from at most this often (fleet seconds): pending jobs are
+    # re-levelled then, not after every end.
+    refresh_s: float = 3600.0
 
 
 def _standard_classes() -> dict[str, PriorityClass]:
@@ -375,22 +378,26 @@ def _parse_las(raw: Any) -> Las:
 
 def _parse_service_levels(raw: Any) -> ServiceLevels:
     where = "service_levels"
-    fields = _fields(raw, where, {"mode", "base_s", "ratio", "levels", "min_samples"})
+    keys = {"mode", "base_s", "ratio", "levels", "min_samples", "refresh_s"}
+    fields = _fields(raw, where, keys)
     default = ServiceLevels()
     mode = _enum(LevelMode, fields.pop("mode", default.mode.value), f"{where}.mode")
     # A NaN or an infinity here would put every job in one level or none: refused by name.
     base_s = _num(fields.get("base_s", default.base_s), f"{where}.base_s")
     ratio = _num(fields.get("ratio", default.ratio), f"{where}.ratio")
-    if not (0 < base_s < float("inf")):
-        raise PolicyError(f"{where}.base_s: expected a positive number of seconds, got {base_s}")
-    if not (1 < ratio < float("inf")):
-        raise PolicyError(f"{where}.ratio: expected a number above 1, got {ratio}")
+    if not (1 <= base_s <= 1e12):
+        raise PolicyError(f"{where}.base_s: expected 1 to 1e12 accelerator-seconds, got {base_s}")
+    if not (1.01 <= ratio <= 1e6):
+        raise PolicyError(f"{where}.ratio: expected 1.01 to 1e6, got {ratio}")
     counts = {}
     for key, high in (("levels", 64), ("min_samples", 256)):
         counts[key] = _int(fields.get(key, getattr(default, key)), f"{where}.{key}")
         if not 1 <= counts[key] <= high:
             raise PolicyError(f"{where}.{key}: expected 1 to {high}, got {counts[key]}")
-    return ServiceLevels(mode=mode, base_s=base_s, ratio=ratio, **counts)
+    refresh_s = _num(fields.get("refresh_s", default.refresh_s), f"{where}.refresh_s")
+    if not (0 <= refresh_s <= 1e9):
+        raise PolicyError(f"{where}.refresh_s: expected 0 to 1e9 seconds, got {refresh_s}")
+    return ServiceLevels(mode=mode, base_s=base_s, ratio=ratio, refresh_s=refresh_s, **counts)
 
 
 def _fields(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class VictimPool:
     by_type: dict[str, dict[Claim, list[Allocation]]] = field(default_factory=dict)
     # Whether a lower service level alone lets a job take a running job's place.
     by_service: bool = False
+    # Highest level among the pool's jobs per priority rank (worked out when first asked).
+    levels_by_rank: dict[int, int] | None = None
 
     @classmethod
     def build(
@@ -242,8 +244,8 @@ class VictimSearch:
 
     def _possible(self) -> bool:
         """Cheap test that some running job could ever be a victim in this cycle."""
-        if self._by_service:
-            return bool(self.running)
+        if self._by_service and self._highest_level(None) > 0:
+            return True
         if self._priority_possible is None:
             preempting = {pc.rank for pc in self.policy.priority_classes.values() if pc.preempting}
             ranks = self.pending_ranks & preempting
@@ -257,7 +259,7 @@ class VictimSearch:
         cheap over-approximation of `worth_trying`; `group_tenant` "" stands for any)."""
         if self.exhausted():
             return False
-        if self._by_service:
+        if self._by_service and self._highest_level(self.policy.rank(priority_class)) > 0:
             return True
         if self.policy.priority(priority_class).preempting and (
             self._lowest_running_rank() < self.policy.rank(priority_class)
@@ -274,15 +276,34 @@ class VictimSearch:
     def worth_trying(self, job: JobRequest, admissions: list[Admission]) -> bool:
         if self.exhausted():
             return False
-        if self._by_service:
-            return True
         rank = self.policy.rank(job.priority_class)
+        if self._by_service:
+            # Only a running job of the same rank at a higher level can yield for service; a
+            # job that has none must not use up the cycle's searches (reclaim needs them).
+            assert self.levels is not None
+            level = self.levels.level(job, self.attained.get(job.job_id, 0.0))
+            if self._highest_level(rank) > level:
+                return True
         if self.policy.priority(job.priority_class).preempting and (
             self._lowest_running_rank() < rank
         ):
             return True
         guaranteed = any(a.guaranteed for a in admissions)
         return self.policy.preemption.reclaim and guaranteed and self._anyone_borrowing()
+
+    def _highest_level(self, rank: int | None) -> int:
+        """The highest service level of a job that may be a victim, at `rank` (None: any);
+        -1 when there is none."""
+        pool = self._victim_pool()
+        if pool.levels_by_rank is None:
+            by_rank: dict[int, int] = {}
+            for by_claim in pool.by_type.values():
+                for claim in by_claim:
+                    by_rank[claim.rank] = max(by_rank.get(claim.rank, -1), -claim.neg_level)
+            pool.levels_by_rank = by_rank
+        if rank is None:
+            return max(pool.levels_by_rank.values(), default=-1)
+        return pool.levels_by_rank.get(rank, -1)
 
     def _lowest_running_rank(self) -> int:
         if self._lowest_rank is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from core.model import JobRequest
@@ -57,24 +58,19 @@ def gittins_effort(samples: list[float], prefix: list[float], attained: float) -
 @dataclass
 class _Kind:
     recent: deque[float]
-    # Jobs recorded so far, and as of the summary below. The summary (what levels are computed
-    # from) moves on once `recent` has moved on by a sixteenth of itself, not on every end, and
-    # at record time, so that levels depend only on what was recorded, never on when asked.
+    # Jobs recorded so far, and as of the summary below: what levels are computed from. The
+    # summaries move on together, at most once per `service_levels.refresh_s` of fleet time
+    # (`ServiceHistory.refresh`), so levels depend only on what was recorded and when the
+    # cycles ran, never on when a level was asked; and pending jobs are re-levelled that often
+    # at most, not after every end.
     version: int = 0
     summary_version: int = -1
     samples: list[float] = field(default_factory=list)
     prefix: list[float] = field(default_factory=list)
 
-    def refresh_due(self) -> bool:
-        step = max(1, len(self.recent) // 16)
-        return self.summary_version < 0 or self.version - self.summary_version >= step
-
     def refresh(self) -> None:
         self.samples = sorted(self.recent)
-        prefix = [0.0]
-        for value in self.samples:
-            prefix.append(prefix[-1] + value)
-        self.prefix = prefix
+        self.prefix = _prefix(self.samples)
         self.summary_version = self.version
 
 
@@ -89,6 +85,11 @@ def kinds_of(job: JobRequest) -> tuple[KindKey, KindKey, KindKey]:
 
 # Finished jobs remembered per kind.
 PER_KIND = 256
+# The most service one job counts for (about 32 million accelerator-years): sums of a kind's
+# history stay finite, however hostile the run times read from the log.
+MAX_SERVICE = 1e15
+# A kind as a snapshot holds it: see `ServiceHistory.export`.
+KindState = tuple[list[float], list[float], int, int]
 
 
 @dataclass(eq=False)
@@ -99,21 +100,37 @@ class ServiceHistory:
     kinds: dict[KindKey, _Kind] = field(default_factory=dict)
     # Bumped whenever some kind's summary moves on: levels computed before may differ now.
     epoch: int = 0
+    # Fleet time of the last refresh (none yet: -inf).
+    refreshed_at: float = -math.inf
+
+    def refresh(self, now: float, every_s: float) -> None:
+        """Moves every kind's summary on to what it has recorded, if `every_s` have passed since
+        the last time (fleet seconds; a clock that went back counts as passed)."""
+        if self.refreshed_at <= now < self.refreshed_at + every_s:
+            return
+        self.refreshed_at = now
+        moved = False
+        for kind in self.kinds.values():
+            if kind.summary_version != kind.version:
+                kind.refresh()
+                moved = True
+        if moved:
+            self.epoch += 1
 
     def record(self, job: JobRequest, service: float) -> None:
         """A job ended (succeeded, failed or was cancelled) after `service` accelerator-seconds
-        over all its runs. A NaN, an infinity or a negative amount is not history."""
-        if not math.isfinite(service) or service < 0:
+        over all its runs. A NaN, an infinity or a negative amount is not history; nor is a job
+        that asked no accelerators (it would count as a zero-length job of its tenant); more
+        than `MAX_SERVICE` counts as that much."""
+        if not math.isfinite(service) or service < 0 or job.total_accelerators <= 0:
             return
+        service = min(service, MAX_SERVICE)
         for key in kinds_of(job):
             kind = self.kinds.get(key)
             if kind is None:
                 kind = self.kinds[key] = _Kind(deque(maxlen=PER_KIND))
             kind.recent.append(service)
             kind.version += 1
-            if kind.refresh_due():
-                kind.refresh()
-                self.epoch += 1
 
     def kind_for(self, job: JobRequest, min_samples: int) -> tuple[KindKey, _Kind] | None:
         for key in kinds_of(job):
@@ -123,25 +140,57 @@ class ServiceHistory:
         return None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ServiceHistory) and self.export() == other.export()
+        return (
+            isinstance(other, ServiceHistory)
+            and self.export() == other.export()
+            and self.refreshed_at == other.refreshed_at
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
-    def export(self) -> dict[str, list[float]]:
-        """For a snapshot: kind (joined with '\\x1f') -> remembered service, oldest first."""
-        return {"\x1f".join(key): list(kind.recent) for key, kind in self.kinds.items()}
+    def export(self) -> dict[str, KindState]:
+        """For a snapshot: kind (joined with '\\x1f') -> (remembered service oldest first, the
+        summary levels are computed from, jobs recorded, jobs recorded as of the summary), so
+        a restored history levels exactly as this one and refreshes at the same points."""
+        return {
+            "\x1f".join(key): (list(k.recent), list(k.samples), k.version, k.summary_version)
+            for key, k in self.kinds.items()
+        }
 
     @classmethod
-    def restore(cls, saved: dict[str, list[float]]) -> ServiceHistory:
+    def restore(
+        cls, saved: Mapping[str, KindState], refreshed_at: float | None = None
+    ) -> ServiceHistory:
+        """The history `export` described. Values a snapshot should not hold (NaN, infinite,
+        negative, past `MAX_SERVICE`) are dropped, and a summary that is not the sorted values
+        it claims to be is rebuilt from the remembered ones."""
         history = cls()
-        for name, values in saved.items():
-            kept = (v for v in values if math.isfinite(v) and v >= 0)
-            recent: deque[float] = deque(kept, maxlen=PER_KIND)
-            kind = _Kind(recent, version=len(recent))
-            kind.refresh()
+        for name, (values, samples, version, summary_version) in saved.items():
+            recent: deque[float] = deque(_sane(values), maxlen=PER_KIND)
+            kind = _Kind(recent, version=max(version, len(recent)))
+            summary = list(_sane(samples))
+            never = summary_version == -1 and not summary  # recorded, not yet learned from
+            if never or (summary == sorted(summary) and 0 <= summary_version <= kind.version):
+                kind.samples, kind.prefix = summary, _prefix(summary) if summary else []
+                kind.summary_version = summary_version
+            else:
+                kind.refresh()
             history.kinds[tuple(name.split("\x1f"))] = kind
         history.epoch = 1
+        if refreshed_at is not None and math.isfinite(refreshed_at):
+            history.refreshed_at = refreshed_at
         return history
+
+
+def _sane(values: Iterable[float]) -> Iterator[float]:
+    return (float(v) for v in values if math.isfinite(v) and 0 <= v <= MAX_SERVICE)
+
+
+def _prefix(samples: list[float]) -> list[float]:
+    prefix = [0.0]
+    for value in samples:
+        prefix.append(prefix[-1] + value)
+    return prefix
 
 
 @dataclass
@@ -176,7 +225,9 @@ class Levels:
             return 0
         key, kind = found
         samples, prefix = kind.samples, kind.prefix
-        step = -1 if attained <= 0 else int(math.log(attained) / math.log(_ATTAINED_STEP))
+        if not attained < MAX_SERVICE:  # also NaN: a job past any history is levelled last
+            return policy.service_levels.levels - 1
+        step = -1 if attained <= 1 else int(math.log(attained) / math.log(_ATTAINED_STEP))
         cached = self._cache.get((key, kind.summary_version, step))
         if cached is not None:
             return cached
@@ -195,7 +246,14 @@ class Levels:
         sl = self.policy.service_levels
         if effort <= sl.base_s:
             return 0
+        if not math.isfinite(effort):
+            return sl.levels - 1
         return min(sl.levels - 1, 1 + int(math.log(effort / sl.base_s) / math.log(sl.ratio)))
+
+    def refresh(self, now: float) -> None:
+        """At the start of a cycle (fleet time `now`): see `ServiceHistory.refresh`."""
+        if self.policy.service_levels.mode is LevelMode.LEARNED and self.history is not None:
+            self.history.refresh(now, self.policy.service_levels.refresh_s)
 
     @property
     def epoch(self) -> int:

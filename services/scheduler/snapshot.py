@@ -16,6 +16,7 @@ the scheduler replays its topics instead (as it did before snapshots existed).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Literal
@@ -23,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from core.model import Allocation, ClusterId, JobId, NodeId, ReplicaPlacement
-from core.service import ServiceHistory
+from core.service import MAX_SERVICE, ServiceHistory
 from schemas.events import ClusterCapacity, JobQueued, PlacementDecided
 from services.scheduler.convert import job_request
 from services.scheduler.feed import Mark
@@ -83,8 +84,10 @@ class SchedulerSnapshot(BaseModel):
     protected: dict[str, float]
     held: dict[str, float]
     # Learned service levels (absent from snapshots written before them: empty).
-    served: dict[str, tuple[int, float]] = {}
-    history: dict[str, list[float]] = {}
+    served: dict[str, tuple[list[int], float]] = {}
+    # kind -> (remembered service, summary, recorded, recorded as of the summary).
+    history: dict[str, tuple[list[float], list[float], int, int]] = {}
+    history_refreshed_at: float | None = None
 
     @property
     def progress(self) -> int:
@@ -159,8 +162,11 @@ def _frozen(state: SchedulerState, marks: Marks) -> SchedulerSnapshot:
         preempting={j: (a, str(for_job)) for j, (a, for_job) in state.preempting.items()},
         protected=dict(state.protected),
         held=dict(state.held),
-        served=dict(state.served),
+        served={j: (sorted(runs), total) for j, (runs, total) in state.served.items()},
         history=state.history.export(),
+        history_refreshed_at=(
+            state.history.refreshed_at if math.isfinite(state.history.refreshed_at) else None
+        ),
     )
 
 
@@ -221,8 +227,12 @@ def restore(state: SchedulerState, snap: SchedulerSnapshot) -> Marks:
     state.preempting = {JobId(j): (a, JobId(f)) for j, (a, f) in snap.preempting.items()}
     state.protected = {JobId(j): t for j, t in snap.protected.items()}
     state.held.update({JobId(j): t for j, t in snap.held.items()})
-    state.served = {JobId(j): (a, s) for j, (a, s) in snap.served.items() if 0 <= s < float("inf")}
-    state.history = ServiceHistory.restore(snap.history)
+    state.served = {
+        JobId(j): (frozenset(runs), total)
+        for j, (runs, total) in snap.served.items()
+        if 0 <= total <= MAX_SERVICE
+    }
+    state.history = ServiceHistory.restore(snap.history, snap.history_refreshed_at)
     state.dirty = True
     return marks_of(snap)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from core.model import Allocation, Cluster, ClusterId, JobId, JobRequest, Node, NodeId, Snapshot
-from core.service import ServiceHistory
+from core.service import MAX_SERVICE, ServiceHistory
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
@@ -95,7 +95,7 @@ class Attained(Mapping[JobId, float]):
         alloc = self._state.running.get(job_id)
         if alloc is None:
             return default if served is None else served[1]
-        ran = max(0.0, self._at - alloc.start_time) * alloc.job.total_accelerators
+        ran = max(0.0, self._at - alloc.start_time) * max(alloc.job.total_accelerators, 0.0)
         return (0.0 if served is None else served[1]) + ran
 
     def __getitem__(self, job_id: JobId) -> float:
@@ -163,10 +163,10 @@ class SchedulerState:
     touched: set[JobId] = field(default_factory=set)
     fleet_version: int = 0
     # Service (accelerator-seconds, fleet time) of a job's runs that ended before its current
-    # one, with the last attempt counted (each run once, whatever order the topics are read
-    # in), and the total service of finished jobs by kind: what learned service levels
+    # one, with the attempts counted (each run once, whatever order the topics are read in),
+    # and the total service of finished jobs by kind: what learned service levels
     # (core/service.py) order by. Both come from the `ran_s` of the events that end runs.
-    served: dict[JobId, tuple[int, float]] = field(default_factory=dict)
+    served: dict[JobId, tuple[frozenset[int], float]] = field(default_factory=dict)
     history: ServiceHistory = field(default_factory=ServiceHistory)
 
     def __post_init__(self) -> None:
@@ -334,14 +334,22 @@ class SchedulerState:
             self._free(job_id)
 
     def _serve(self, job_id: JobId, attempt: int, ran_s: float) -> None:
-        """Adds one ended run's service, once per attempt (the end of an older one read late
-        adds nothing). A NaN, infinite or negative run time adds nothing."""
+        """Adds one ended run's service, once per attempt, in whatever order the ends are read.
+        A NaN, infinite or negative run time adds nothing; a total is capped at `MAX_SERVICE`.
+        A pending job whose service changed is noted, so a kept queue re-levels it."""
         job = self._request(job_id)
-        counted, total = self.served.get(job_id, (0, 0.0))
-        if job is None or attempt <= counted or job_id in self.finished:
+        counted, total = self.served.get(job_id, (frozenset(), 0.0))
+        if job is None or attempt in counted or job_id in self.finished:
             return
         ran = ran_s if 0 < ran_s < float("inf") else 0.0
-        self.served[job_id] = (attempt, total + ran * job.total_accelerators)
+        total = min(MAX_SERVICE, total + ran * max(job.total_accelerators, 0.0))
+        self.served[job_id] = (counted | {attempt}, total)
+        self.touched.add(job_id)
+
+    def served_total(self, job_id: JobId) -> float:
+        """Service of the job's ended runs (accelerator-seconds)."""
+        served = self.served.get(job_id)
+        return 0.0 if served is None else served[1]
 
     def _request(self, job_id: JobId) -> JobRequest | None:
         alloc = self.running.get(job_id)
@@ -422,10 +430,12 @@ class SchedulerState:
         ):
             return  # the end of an older run, or of one already ended and requeued
         job = self._request(job_id)
-        if job is not None and event.attempt is not None:
-            # The service the job took over all its runs, for the levels of jobs like it.
-            self._serve(job_id, event.attempt, event.ran_s)
-            self.history.record(job, self.served.get(job_id, (0, 0.0))[1])
+        if job is not None and (event.attempt is not None or job_id in self.served):
+            # The service the job took over all its runs, for the levels of jobs like it (the
+            # queue ends a job whose retries ran out with no attempt named: its runs counted).
+            if event.attempt is not None:
+                self._serve(job_id, event.attempt, event.ran_s)
+            self.history.record(job, self.served_total(job_id))
         self.served.pop(job_id, None)
         self.closed.pop(job_id, None)
         self.refused.pop(job_id, None)

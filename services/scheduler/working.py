@@ -30,6 +30,7 @@ import structlog
 from core.capacity import EPS
 from core.cycle import CycleState
 from core.model import Allocation, JobId, JobRequest, TenantId
+from core.ordering import tier_of
 from core.policy import Policy
 from core.service import Levels
 from services.scheduler.state import SchedulerState
@@ -140,8 +141,19 @@ class WorkingSet:
             state.queues.remove(queued)
             del self._queued[job_id]
             queued = None
+        # The end of an earlier run, read after the requeue, changed what it has attained.
+        if (
+            visible
+            and queued is not None
+            and state.levels.active
+            and state.queues.tier(job_id)
+            != tier_of(queued, state.levels, sched.served_total(job_id))
+        ):
+            state.queues.remove(queued)
+            del self._queued[job_id]
+            queued = None
         if visible and queued is None and job is not None:
-            state.queues.add(job, sched.served.get(job_id, (0, 0.0))[1])
+            state.queues.add(job, sched.served_total(job_id))
             self._queued[job_id] = job
         if job is not None and not visible:
             self._held_back[job_id] = until

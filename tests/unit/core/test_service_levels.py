@@ -17,7 +17,7 @@ from core.model import JobId
 from core.ordering import PendingQueues
 from core.policy import LevelMode, OrderingMode, Policy, ServiceLevels
 from core.reasons import ReasonCode
-from core.service import PER_KIND, Levels, ServiceHistory, gittins_effort
+from core.service import MAX_SERVICE, PER_KIND, Levels, ServiceHistory, gittins_effort
 from core.state import CycleState
 from tests.unit.core.builders import gpu_nodes, job, running, snapshot
 
@@ -73,18 +73,32 @@ def test_a_mostly_short_kind_has_little_effort_until_its_jobs_outlive_it() -> No
     assert gittins_effort(samples, prefix, 200_000.0) is None
 
 
+def learned(history: ServiceHistory) -> ServiceHistory:
+    """What was recorded, learned from (as the next cycle would)."""
+    history.refresh(now=0.0, every_s=0.0)
+    return history
+
+
 def history_of(tenant: str, accelerators: float, services: list[float]) -> ServiceHistory:
     history = ServiceHistory()
     for i, service in enumerate(services):
         history.record(job(accelerators, job_id=f"h{i}", tenant=tenant), service)
-    return history
+    return learned(history)
+
+
+def short_and_long(short: str, long: str) -> ServiceHistory:
+    """Eight 8-GPU jobs of `short` that took 600 accelerator-seconds, eight of `long` 4e6."""
+    history = history_of(short, 8, [600.0] * 8)
+    for i in range(8):
+        history.record(job(8, job_id=f"l{i}", tenant=long), 4e6)
+    return learned(history)
 
 
 def test_levels_follow_each_kind_and_fall_back_to_tenant_then_everyone() -> None:
     history = history_of("quick", 1, [600.0] * 8)
     for i, service in enumerate([4e6] * 8):
         history.record(job(8, job_id=f"l{i}", tenant="slow"), service)
-    levels = Levels(LEARNED, history)
+    levels = Levels(LEARNED, learned(history))
     quick, slow = job(1, tenant="quick"), job(8, tenant="slow")
     assert levels.level(quick, 0.0) == 0
     assert levels.level(slow, 0.0) >= 5
@@ -113,14 +127,32 @@ def test_history_keeps_the_last_per_kind_and_refuses_nonsense() -> None:
     for value in (float("nan"), float("inf"), -1.0):
         history.record(j, value)
     assert history.kinds == {}
+    history.record(job(0, tenant="t"), 5.0)  # asked for no accelerators: no history
+    history.record(j, 1e300)  # counted as MAX_SERVICE, so sums stay finite
+    assert history.kinds[("all",)].recent[0] == MAX_SERVICE
     for i in range(PER_KIND + 10):
         history.record(j, float(i))
+    assert history.kind_for(j, 1) is None  # recorded, not yet learned from
+    learned(history)
     (key, kind) = history.kind_for(j, 1) or (None, None)
     assert key == ("k", "t", "1") and kind is not None
     assert kind.recent[0] == 10.0 and len(kind.recent) == PER_KIND
-    restored = ServiceHistory.restore({**history.export(), "all": [1.0, float("nan"), -2.0]})
-    assert restored.export()["k\x1ft\x1f1"] == history.export()["k\x1ft\x1f1"]
-    assert restored.export()["all"] == [1.0]
+    history.record(j, 7.0)  # recorded after the summary: the restored one lags as this one does
+    saved = history.export()
+    hostile = ([1.0, float("nan"), -2.0, 1e300], [3.0, 1.0], 9, 4)  # a summary out of order
+    restored = ServiceHistory.restore({**saved, "all": hostile}, history.refreshed_at)
+    assert restored.export()["k\x1ft\x1f1"] == saved["k\x1ft\x1f1"]
+    assert restored.export()["all"] == ([1.0], [1.0], 9, 9)
+    level = Levels(LEARNED, history).level(j, 50.0)
+    assert Levels(LEARNED, restored).level(j, 50.0) == level
+
+
+def test_hostile_amounts_never_break_a_level() -> None:
+    history = history_of("t", 8, [1e300, 1e300, 1e300, 1e300])
+    levels = Levels(LEARNED, history)
+    top = LEARNED.service_levels.levels - 1
+    for attained in (0.0, 1e14, 1e300, float("inf"), float("nan")):
+        assert 0 <= levels.level(job(8, tenant="t"), attained) <= top
 
 
 def state_with(history: ServiceHistory, snap_pending: list, snap_running: list) -> CycleState:  # type: ignore[type-arg]
@@ -129,9 +161,7 @@ def state_with(history: ServiceHistory, snap_pending: list, snap_running: list) 
 
 
 def test_a_job_of_a_short_kind_goes_before_an_older_one_of_a_long_kind() -> None:
-    history = history_of("quick", 8, [600.0] * 8)
-    for i in range(8):
-        history.record(job(8, job_id=f"l{i}", tenant="slow"), 4e6)
+    history = short_and_long("quick", "slow")
     waiting = [
         job(8, job_id="long", tenant="slow", submit=0),
         job(8, job_id="short", tenant="quick", submit=50),
@@ -142,9 +172,7 @@ def test_a_job_of_a_short_kind_goes_before_an_older_one_of_a_long_kind() -> None
 
 
 def test_a_long_running_job_of_a_long_kind_yields_to_a_short_kind() -> None:
-    history = history_of("quick", 8, [600.0] * 8)
-    for i in range(8):
-        history.record(job(8, job_id=f"l{i}", tenant="slow"), 4e6)
+    history = short_and_long("quick", "slow")
     veteran = running(job(8, job_id="veteran", tenant="slow"), "c1-n-0000", start=0)
     state = state_with(history, [job(8, job_id="short", tenant="quick", submit=50)], [veteran])
     state.attained = {JobId("veteran"): 8 * 3600.0}
@@ -180,7 +208,7 @@ def test_the_policy_section_refuses_what_would_break_levels(
 
 def test_the_policy_section_parses() -> None:
     pol = Policy.from_dict({"service_levels": {"mode": "learned", "base_s": 600, "levels": 4}})
-    assert pol.service_levels == ServiceLevels(LevelMode.LEARNED, 600.0, 4.0, 4, 16)
+    assert pol.service_levels == ServiceLevels(LevelMode.LEARNED, 600.0, 4.0, 4, 16, 3600.0)
 
 
 def test_a_kept_queue_relevels_its_jobs_when_the_history_moves_on() -> None:
@@ -191,6 +219,7 @@ def test_a_kept_queue_relevels_its_jobs_when_the_history_moves_on() -> None:
     assert queues.tier(JobId("w")) == (-10, 0)  # no history yet: level 0
     for i in range(8):
         history.record(job(8, job_id=f"h{i}", tenant="t"), 4e6)
+    learned(history)
     fresh = PendingQueues.build([waiting], LEARNED, {}, Levels(LEARNED, history))
     assert queues.tier(JobId("w")) != fresh.tier(JobId("w"))
     queues.relevel({})
@@ -223,9 +252,7 @@ def test_a_tenant_inside_its_quota_goes_before_shorter_borrowed_work() -> None:
         ),
         service_levels=ServiceLevels(mode=LevelMode.LEARNED, min_samples=4),
     )
-    history = history_of("borrower", 8, [600.0] * 8)
-    for i in range(8):
-        history.record(job(8, job_id=f"l{i}", tenant="lender"), 4e6)
+    history = short_and_long("borrower", "lender")
     waiting = [
         job(8, job_id="short", tenant="borrower", submit=0),
         job(8, job_id="long", tenant="lender", submit=50),
@@ -236,3 +263,39 @@ def test_a_tenant_inside_its_quota_goes_before_shorter_borrowed_work() -> None:
     assert levels.level(waiting[0], 0.0) < levels.level(waiting[1], 0.0)
     result = decide(state, quotas, now=100.0)
     assert [a.job.job_id for a in result.placements] == [JobId("long")]
+
+
+def test_jobs_that_no_level_can_help_leave_the_victim_searches_to_reclaim() -> None:
+    """Learned levels with no history yet: four jobs of a tenant that could only borrow, ahead
+    in order, must not use up the cycle's victim searches, or the tenant inside its quota
+    never reclaims its share from the borrower."""
+    pol = replace(
+        Policy.from_dict(
+            {
+                "tenants": {
+                    "a": {"cohort": "c", "quotas": {"H100": 12}},
+                    "b": {"cohort": "c", "quotas": {"H100": 24}},
+                    "z": {"cohort": "c", "quotas": {"H100": 0}},
+                    "d": {"cohort": "c", "quotas": {"H100": 8}},
+                },
+                "preemption": {"min_runtime_s": 0},
+            }
+        ),
+        service_levels=ServiceLevels(mode=LevelMode.LEARNED),
+    )
+    nodes = gpu_nodes(4)
+    ids = list(nodes)
+    busy = [
+        running(job(8, job_id="a-run", tenant="a"), ids[0]),
+        running(job(8, job_id="b-run1", tenant="b"), ids[1]),
+        running(job(8, job_id="b-run2", tenant="b"), ids[2]),
+        running(job(8, job_id="borrowed", tenant="z"), ids[3]),
+    ]
+    waiting = [job(8, job_id=f"a{i}", tenant="a", submit=i) for i in range(4)]
+    waiting.append(job(8, job_id="owed", tenant="b", submit=10))
+    state = CycleState.from_snapshot(snapshot(nodes, waiting, busy), pol)
+    (decision,) = decide(state, pol, now=1000.0).preemptions
+    assert decision.for_job == JobId("owed")
+    assert [(v.job_id, v.reason) for v in decision.victims] == [
+        (JobId("borrowed"), ReasonCode.RECLAIMED_BORROWED)
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.inventory import inventory
+from core.service import MAX_SERVICE
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
@@ -14,6 +15,7 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
     ReplicaAssignment,
+    RunFailed,
 )
 from services.scheduler.state import SchedulerState
 from tests.unit.services.builders import T0, spec
@@ -382,7 +384,7 @@ def test_service_is_counted_once_per_run_and_learned_when_the_job_ends() -> None
     state.on_preempted(ended)
     state.on_preempted(ended)  # redelivered
     accelerators = state.pending["j1"].total_accelerators  # type: ignore[index]
-    assert state.served["j1"] == (1, 40.0 * accelerators)  # type: ignore[index]
+    assert state.served["j1"] == (frozenset({1}), 40.0 * accelerators)  # type: ignore[index]
     assert state.attained(500.0).get("j1") == 40.0 * accelerators  # type: ignore[arg-type]
     state.on_placed(placed("j1", attempt=2), 1000.0)
     # While it runs: what it served, plus the run so far (fleet seconds).
@@ -395,4 +397,27 @@ def test_service_is_counted_once_per_run_and_learned_when_the_job_ends() -> None
     state.on_preempted(nan)  # read after the end: nothing
     assert "j1" not in state.served
     (kind,) = [v for k, v in state.history.export().items() if k.startswith("k")]
-    assert kind == [100.0 * accelerators]
+    assert kind[0] == [100.0 * accelerators]
+
+
+def test_run_ends_read_in_any_order_each_count_once() -> None:
+    """The failure of attempt 2 read before the preemption of attempt 1: both runs count."""
+    state = SchedulerState(time_scale=1.0)
+    state.on_queued(queued("j1"))
+    state.on_placed(placed("j1", attempt=2), 1.0)
+    accelerators = state.running["j1"].job.total_accelerators  # type: ignore[index]
+    failed = RunFailed(
+        job_id="j1", attempt=2, cluster="c1", reason_code="x", message="m", ran_s=30.0
+    )
+    first = JobPreempted(
+        job_id="j1", attempt=1, cluster="c1", reason_code="x", message="m", ran_s=1000.0
+    )
+    for event in (failed, first, failed, first):  # and each redelivered
+        state.on_preempted(event)
+    assert state.served_total("j1") == 1030.0 * accelerators  # type: ignore[arg-type]
+    # More than any job could serve is capped, so sums and levels stay finite.
+    huge = JobPreempted(
+        job_id="j1", attempt=3, cluster="c1", reason_code="x", message="m", ran_s=1e300
+    )
+    state.on_preempted(huge)
+    assert state.served_total("j1") == MAX_SERVICE  # type: ignore[arg-type]

@@ -54,7 +54,13 @@ POLICY = Policy.from_dict(
         },
         "preemption": {"min_runtime_s": 0},
         # Levels learned from the runs that end below (so the kept queue re-levels its jobs).
-        "service_levels": {"mode": "learned", "min_samples": 2, "base_s": 5, "ratio": 2},
+        "service_levels": {
+            "mode": "learned",
+            "min_samples": 2,
+            "base_s": 5,
+            "ratio": 2,
+            "refresh_s": 0,
+        },
     }
 )
 # (size of a replica, replicas): whole devices, gangs and fractions of a shared device.
@@ -185,40 +191,44 @@ class World:
                 JobFinished(job_id=job_id, outcome=Outcome.SUCCEEDED, attempt=attempt, ran_s=ran)
             )
 
-    def end_and_requeue(self, pick: int, failed: bool, backoff: float) -> None:
-        """A run preempted or failed, and the queue requeueing it (maybe with a backoff)."""
+    def end_and_requeue(self, pick: int, failed: bool, backoff: float, late: bool = False) -> None:
+        """A run preempted or failed, and the queue requeueing it (maybe with a backoff); with
+        `late`, the requeue is read before the event that ends the run (topics are not ordered
+        with each other), so what the run served arrives while the job is pending."""
         job_id = self.running(pick)
         if job_id is None:
             return
         attempt = self.state.running_attempt[job_id]
         cluster = self.state.running[job_id].cluster
+        ended: RunFailed | JobPreempted
         if failed:
-            self.state.on_preempted(
-                RunFailed(
-                    job_id=job_id,
-                    attempt=attempt,
-                    cluster=cluster,
-                    reason_code="application_error",
-                    message="exit 1",
-                )
+            ended = RunFailed(
+                job_id=job_id,
+                attempt=attempt,
+                cluster=cluster,
+                reason_code="application_error",
+                message="exit 1",
+                ran_s=float(20 * (pick % 4)),
             )
         else:
-            self.state.on_preempted(
-                JobPreempted(
-                    job_id=job_id,
-                    attempt=attempt,
-                    cluster=cluster,
-                    reason_code="node_failed",
-                    message="gone",
-                    ran_s=float(45 * (pick % 5)),
-                )
+            ended = JobPreempted(
+                job_id=job_id,
+                attempt=attempt,
+                cluster=cluster,
+                reason_code="node_failed",
+                message="gone",
+                ran_s=float(45 * (pick % 5)),
             )
+        if not late:
+            self.state.on_preempted(ended)
         first = self.queued[job_id]
         later = datetime.fromtimestamp(self.now + backoff, UTC) if backoff else None
         again = first.model_copy(
             update={"attempt": attempt, "requeue_of_attempt": attempt, "not_before": later}
         )
         self.state.on_queued(again)
+        if late:
+            self.state.on_preempted(ended)
 
     def refuse(self, pick: int) -> None:
         job_id = self.running(pick)
@@ -337,7 +347,13 @@ STEP = st.one_of(
     ),
     st.tuples(st.just("cycle")),
     st.tuples(st.just("finish"), st.integers(0, 50)),
-    st.tuples(st.just("requeue"), st.integers(0, 50), st.booleans(), st.sampled_from([0, 5])),
+    st.tuples(
+        st.just("requeue"),
+        st.integers(0, 50),
+        st.booleans(),
+        st.sampled_from([0, 5]),
+        st.booleans(),
+    ),
     st.tuples(st.just("refuse"), st.integers(0, 50)),
     st.tuples(st.just("foreign"), st.integers(0, 50), st.integers(0, 10)),
     st.tuples(st.just("preempt"), st.integers(0, 50), st.booleans()),
