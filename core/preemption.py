@@ -244,8 +244,8 @@ class VictimSearch:
 
     def _possible(self) -> bool:
         """Cheap test that some running job could ever be a victim in this cycle."""
-        if self._by_service and self._highest_level(None) > 0:
-            return True
+        if self._by_service and self.running:
+            return True  # `worth_trying` asks, per job, whether some level is above its own
         if self._priority_possible is None:
             preempting = {pc.rank for pc in self.policy.priority_classes.values() if pc.preempting}
             ranks = self.pending_ranks & preempting
@@ -259,7 +259,7 @@ class VictimSearch:
         cheap over-approximation of `worth_trying`; `group_tenant` "" stands for any)."""
         if self.exhausted():
             return False
-        if self._by_service and self._highest_level(self.policy.rank(priority_class)) > 0:
+        if self._by_service:
             return True
         if self.policy.priority(priority_class).preempting and (
             self._lowest_running_rank() < self.policy.rank(priority_class)
@@ -291,9 +291,9 @@ class VictimSearch:
         guaranteed = any(a.guaranteed for a in admissions)
         return self.policy.preemption.reclaim and guaranteed and self._anyone_borrowing()
 
-    def _highest_level(self, rank: int | None) -> int:
-        """The highest service level of a job that may be a victim, at `rank` (None: any);
-        -1 when there is none."""
+    def _highest_level(self, rank: int) -> int:
+        """The highest service level of a job that may be a victim, at `rank`; -1 when there is
+        none. Built once per cycle with the pool, which a search would build anyway."""
         pool = self._victim_pool()
         if pool.levels_by_rank is None:
             by_rank: dict[int, int] = {}
@@ -301,8 +301,6 @@ class VictimSearch:
                 for claim in by_claim:
                     by_rank[claim.rank] = max(by_rank.get(claim.rank, -1), -claim.neg_level)
             pool.levels_by_rank = by_rank
-        if rank is None:
-            return max(pool.levels_by_rank.values(), default=-1)
         return pool.levels_by_rank.get(rank, -1)
 
     def _lowest_running_rank(self) -> int:
