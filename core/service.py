@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from core.model import JobRequest
 from core.policy import LevelMode, OrderingMode, Policy
 
-# A kind's history is summarised (sorted, prefix sums) when first asked after a change; the
-# level of a job is cached per (kind, that summary's version, attained service rounded down to
-# a step of this ratio), so a cycle asking about hundreds of running jobs costs lookups.
+# The level of a job is cached per (kind, its summary's version, attained service rounded down
+# to a step of this ratio), so a cycle asking about hundreds of running jobs costs lookups.
 _ATTAINED_STEP = 1.1
 
 
@@ -171,7 +170,7 @@ class ServiceHistory:
             summary = list(_sane(samples))
             never = summary_version == -1 and not summary  # recorded, not yet learned from
             if never or (summary == sorted(summary) and 0 <= summary_version <= kind.version):
-                kind.samples, kind.prefix = summary, _prefix(summary) if summary else []
+                kind.samples, kind.prefix = summary, _prefix(summary)
                 kind.summary_version = summary_version
             else:
                 kind.refresh()
@@ -199,12 +198,8 @@ class Levels:
     from when the policy asks for learned levels."""
 
     policy: Policy
-    history: ServiceHistory | None = None
+    history: ServiceHistory = field(default_factory=ServiceHistory)
     _cache: dict[tuple[KindKey, int, int], int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.history is None:
-            self.history = ServiceHistory()
 
     @property
     def active(self) -> bool:
@@ -218,7 +213,7 @@ class Levels:
         policy = self.policy
         if policy.ordering is OrderingMode.LAS:
             return bisect.bisect_right(policy.las.thresholds, attained)
-        if policy.service_levels.mode is not LevelMode.LEARNED or self.history is None:
+        if policy.service_levels.mode is not LevelMode.LEARNED:
             return 0
         found = self.history.kind_for(job, policy.service_levels.min_samples)
         if found is None:
@@ -252,17 +247,16 @@ class Levels:
 
     def refresh(self, now: float) -> None:
         """At the start of a cycle (fleet time `now`): see `ServiceHistory.refresh`."""
-        if self.policy.service_levels.mode is LevelMode.LEARNED and self.history is not None:
+        if self.policy.service_levels.mode is LevelMode.LEARNED:
             self.history.refresh(now, self.policy.service_levels.refresh_s)
 
     @property
     def epoch(self) -> int:
         """Changes whenever a level computed earlier may have changed (LAS levels depend on
         attained service alone: never)."""
-        if self.policy.service_levels.mode is not LevelMode.LEARNED or self.history is None:
+        if self.policy.service_levels.mode is not LevelMode.LEARNED:
             return 0
         return self.history.epoch
 
     def record(self, job: JobRequest, service: float) -> None:
-        assert self.history is not None
         self.history.record(job, service)

@@ -137,17 +137,16 @@ class WorkingSet:
         until = sched.held.get(job_id, 0.0)
         visible = job is not None and until <= now
         queued = self._queued.get(job_id)
-        if queued is not None and (not visible or queued is not job):
-            state.queues.remove(queued)
-            del self._queued[job_id]
-            queued = None
-        # The end of an earlier run, read after the requeue, changed what it has attained.
-        if (
-            visible
-            and queued is not None
-            and state.levels.active
-            and state.queues.tier(job_id)
-            != tier_of(queued, state.levels, sched.served_total(job_id))
+        # Out of the queue: gone, held back, replaced, or re-levelled because the end of an
+        # earlier run, read after the requeue, changed what it has attained.
+        if queued is not None and (
+            not visible
+            or queued is not job
+            or (
+                state.levels.active
+                and state.queues.tier(job_id)
+                != tier_of(queued, state.levels, sched.served_total(job_id))
+            )
         ):
             state.queues.remove(queued)
             del self._queued[job_id]

@@ -200,25 +200,19 @@ class World:
             return
         attempt = self.state.running_attempt[job_id]
         cluster = self.state.running[job_id].cluster
-        ended: RunFailed | JobPreempted
-        if failed:
-            ended = RunFailed(
-                job_id=job_id,
-                attempt=attempt,
-                cluster=cluster,
-                reason_code="application_error",
-                message="exit 1",
-                ran_s=float(20 * (pick % 4)),
-            )
-        else:
-            ended = JobPreempted(
-                job_id=job_id,
-                attempt=attempt,
-                cluster=cluster,
-                reason_code="node_failed",
-                message="gone",
-                ran_s=float(45 * (pick % 5)),
-            )
+        kind, reason, message, ran = (
+            (RunFailed, "application_error", "exit 1", 20 * (pick % 4))
+            if failed
+            else (JobPreempted, "node_failed", "gone", 45 * (pick % 5))
+        )
+        ended = kind(
+            job_id=job_id,
+            attempt=attempt,
+            cluster=cluster,
+            reason_code=reason,
+            message=message,
+            ran_s=float(ran),
+        )
         if not late:
             self.state.on_preempted(ended)
         first = self.queued[job_id]
