@@ -198,7 +198,7 @@ class _Run:
             and shape not in self.unreservable
         ):
             return False
-        return not self.victims.may_search(group.tenant, group.priority_class, shape)
+        return not self.victims.may_search(group.tenant, group.priority_class, shape, group.level)
 
     def consider(self, job: JobRequest) -> None:
         if self.explaining:

@@ -30,17 +30,19 @@ Entry = tuple[float, JobId, JobRequest]
 
 
 class Group(NamedTuple):
-    """Jobs that a cycle treats alike: one priority class, one shape and, where lanes are
-    tenants or quotas apply, one tenant; "" where tenants cannot make a difference."""
+    """Jobs that a cycle treats alike: one priority class, one shape, one service level and,
+    where lanes are tenants or quotas apply, one tenant; "" where tenants cannot make a
+    difference."""
 
     tenant: TenantId
     priority_class: str
     shape: Shape
+    level: int = 0
 
 
-def group_of(job: JobRequest, by_tenant: bool) -> Group:
+def group_of(job: JobRequest, by_tenant: bool, level: int = 0) -> Group:
     tenant = job.tenant if by_tenant else TenantId("")
-    return Group(tenant, job.priority_class, shape_of(job))
+    return Group(tenant, job.priority_class, shape_of(job), level)
 
 
 def _by_tenant(policy: Policy) -> bool:
@@ -100,7 +102,7 @@ class PendingQueues:
         for job in jobs:
             tier = tier_of(job, levels, attained.get(job.job_id, 0.0))
             lane = lane_of(job, self.policy)
-            group = group_of(job, self.by_tenant)
+            group = group_of(job, self.by_tenant, tier[1])
             groups = self.lanes.setdefault(tier, {}).setdefault(lane, {})
             groups.setdefault(group, []).append((job.submit_time, job.job_id, job))
             self._where[job.job_id] = (tier, lane, group)
@@ -134,7 +136,7 @@ class PendingQueues:
         assert self.levels is not None
         tier = tier_of(job, self.levels, attained)
         lane = lane_of(job, self.policy)
-        group = group_of(job, self.by_tenant)
+        group = group_of(job, self.by_tenant, tier[1])
         groups = self.lanes.setdefault(tier, {}).setdefault(lane, {})
         entries = groups.setdefault(group, [])
         bisect.insort(entries, (job.submit_time, job.job_id, job), key=_entry_key)

@@ -254,12 +254,15 @@ class VictimSearch:
             return True
         return self.policy.preemption.reclaim and self._anyone_borrowing()
 
-    def may_search(self, group_tenant: TenantId, priority_class: str, shape: Shape) -> bool:
-        """Whether some job of this kind could still get a victim search in this cycle (a
-        cheap over-approximation of `worth_trying`; `group_tenant` "" stands for any)."""
+    def may_search(
+        self, group_tenant: TenantId, priority_class: str, shape: Shape, level: int = 0
+    ) -> bool:
+        """Whether some job of this kind (at service `level`) could still get a victim search
+        in this cycle (a cheap over-approximation of `worth_trying`; `group_tenant` "" stands
+        for any)."""
         if self.exhausted():
             return False
-        if self._by_service:
+        if self._by_service and self._highest_level(self.policy.rank(priority_class)) > level:
             return True
         if self.policy.priority(priority_class).preempting and (
             self._lowest_running_rank() < self.policy.rank(priority_class)
