@@ -118,7 +118,7 @@ def bars(walls: dict[str, float], run: Comparison) -> list[str]:
             f"{walls['default']:.1f} s <= {WALL_BAR_S:g} s"
         )
     baseline = run.summaries.get("fifo-backfill", {}).get("avg_jct_s")
-    for name in ("default", "fair-share", "las"):
+    for name in ("default", "learned", "las"):
         s = run.summaries.get(name)
         if s is None or not baseline:
             continue
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         TRACES / "philly_vc_nodes.csv", [j.request.tenant for j in window], capacity
     )
     print("Oct-Nov 2017 with per-VC quotas scaled to the pool (one cohort, reclaim on):")
-    quota_policies = [p for p in ("default", "fair-share") if p == "default" or p in policies]
+    quota_policies = [p for p in ("default", "learned") if p == "default" or p in policies]
     quota_run = compare(fleet, base, window, quota_policies, INTERVAL_S, entitlement=ent)
     shares = {name: tenants(quota_run, name) for name in quota_policies}
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # ",".join(sim.variants.VARIANTS), spelled out so that `qm` need not import the scheduling core
 # to show this default; tests/unit/cli/test_startup.py checks that the two agree.
-ALL_VARIANTS = "fifo,fifo-backfill,fair-share,default,las"
+ALL_VARIANTS = "fifo,fifo-backfill,default,las,learned"
 
 sim_app = typer.Typer(
     help="Replay a trace through several policies on the scheduling core; write figures.",

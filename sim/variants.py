@@ -9,13 +9,14 @@ from dataclasses import replace
 from core.policy import (
     Backfill,
     BackfillMode,
+    LevelMode,
     OrderingMode,
     Policy,
     ServiceLevels,
     TenantPolicy,
 )
 
-VARIANTS = ("fifo", "fifo-backfill", "fair-share", "default", "las")
+VARIANTS = ("fifo", "fifo-backfill", "default", "las", "learned")
 
 
 class UnknownVariant(ValueError):
@@ -25,14 +26,17 @@ class UnknownVariant(ValueError):
 def variant(base: Policy, name: str) -> Policy:
     """`base` as the named policy: 'default' is the file itself; the others keep its tenants,
     fleet knobs and placement, turn service levels off and set ordering, backfill and
-    preemption ('fair-share' changes nothing else)."""
+    preemption; 'learned' is the file with learned service levels on."""
     no_preemption = replace(base.preemption, enabled=False)
     if name == "default":
         return base
+    if name == "learned":
+        return replace(
+            base,
+            service_levels=replace(base.service_levels, mode=LevelMode.LEARNED),
+            preemption=replace(base.preemption, enabled=True),
+        )
     base = replace(base, service_levels=ServiceLevels())
-    if name == "fair-share":
-        # The file's policy without service levels: fair share and reclaim only.
-        return base
     if name == "fifo":
         # Strict FIFO: the head of the line blocks everything behind it.
         return replace(
