@@ -28,7 +28,7 @@ from schemas.events import (
     PreemptionCanceled,
     RunFailed,
 )
-from services.common.deadletter import decode_payloads
+from services.common.deadletter import Received, decode_payloads
 from services.common.kafka import OutMessage
 from services.gateway import store
 from services.gateway.projection import EventLine, JobView, project
@@ -87,14 +87,34 @@ class Projector:
         self.skipped = 0
         self.feed_dropped = 0  # live feed lines lost to Redis outages
 
+    async def _fold_early(
+        self,
+        conn: asyncpg.Connection,
+        born: set[str],
+        early: list[tuple[Received, Any]],
+        views: dict[str, JobView | None],
+        changed: dict[str, JobView],
+    ) -> list[tuple[Received, Any]]:
+        """Fold into the views created in this batch the events about them read before (kept
+        in the store by an earlier batch, or earlier in this one), oldest first; returns the
+        early events still about jobs not heard of."""
+        pending = [(env, payload) for env, payload in await store.take_early(conn, born, PROJECTED)]
+        pending += [(got.envelope, p) for got, p in early if str(p.job_id) in born]
+        pending.sort(key=lambda item: item[0].occurred_at)
+        for env, payload in pending:
+            job_id = str(payload.job_id)
+            new, _line = project(views.get(job_id), env, payload)  # its line is stored already
+            if new is not None and new != views.get(job_id):
+                changed[job_id] = new
+            views[job_id] = new
+        return [(got, p) for got, p in early if str(p.job_id) not in born]
+
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> list[OutMessage]:
         """Project the records; returns the dead letters the gateway owes (for the topics no
         other service dead-letters, GATEWAY_DEAD_LETTERS); what it cannot read it skips."""
         received, dead = decode_payloads(records, PROJECTED, consumer="gateway")
         self.skipped += len(dead)
-        items = [
-            (got.envelope, payload) for got, payload in received if getattr(payload, "job_id", None)
-        ]
+        items = [(got, payload) for got, payload in received if getattr(payload, "job_id", None)]
         owed = owed_dead_letters(dead)
         if not items:
             return owed
@@ -103,14 +123,27 @@ class Projector:
             views: dict[str, JobView | None] = dict(
                 await store.lock_views(conn, {str(p.job_id) for _, p in items})
             )
+            unknown = {str(p.job_id) for _, p in items} - views.keys()
+            if unknown:
+                # Another replica may be creating one of them, or keeping early events for it.
+                views.update(await store.lock_unknown(conn, unknown))
+                unknown -= views.keys()
             changed: dict[str, JobView] = {}
-            for env, payload in items:
+            early: list[tuple[Received, Any]] = []
+            for got, payload in items:
                 job_id = str(payload.job_id)
-                new, line = project(views.get(job_id), env, payload)
+                new, line = project(views.get(job_id), got.envelope, payload)
                 lines.append(line)
-                if new is not None and new != views.get(job_id):
+                if new is None:
+                    early.append((got, payload))  # about a job not heard of yet: kept for later
+                elif new != views.get(job_id):
                     changed[job_id] = new
                 views[job_id] = new
+            born = {j for j in unknown if views.get(j) is not None}
+            if born:
+                early = await self._fold_early(conn, born, early, views, changed)
+            if early:
+                await store.keep_early(conn, early)
             fresh = await store.claim_lines(conn, lines)
             # Replaying an event changes nothing, but only fresh ones are announced.
             await store.upsert_views(conn, list(changed.values()))

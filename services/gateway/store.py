@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+from pydantic import BaseModel
 
+from schemas.envelope import Envelope
 from schemas.job import JobSpec, JobState
 from services.common.db import migrate
+from services.common.deadletter import Received
 from services.gateway.projection import EventLine, JobView, Placement
 
 SCHEMA = "gateway"
@@ -76,6 +79,52 @@ async def lock_views(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[s
         ids,
     )
     return {r["job_id"]: _view(r) for r in rows}
+
+
+async def lock_unknown(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobView]:
+    """Serialize the projectors that find no view for these jobs (one creates it, another may
+    keep early events about it), then read again what a replica committed meanwhile."""
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('gateway.jobs:' || j))"
+        " FROM (SELECT j FROM unnest($1::text[]) AS j ORDER BY j) AS ids",
+        sorted(set(job_ids)),
+    )
+    return await lock_views(conn, job_ids)
+
+
+# Events about jobs not heard of are dropped after this long (another producer's stray ids).
+EARLY_EVENTS_KEPT = "1 day"
+
+
+async def keep_early(conn: asyncpg.Connection, early: Sequence[tuple[Received, Any]]) -> None:
+    """Keep lifecycle events read before their job's view exists (see 011_early_events.sql)."""
+    await conn.execute(
+        "DELETE FROM gateway.early_events"
+        f" WHERE received_at < now() - interval '{EARLY_EVENTS_KEPT}'"
+    )
+    await conn.execute(
+        "INSERT INTO gateway.early_events (event_id, job_id, topic, value) SELECT * FROM"
+        " unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) ON CONFLICT DO NOTHING",
+        [got.envelope.event_id for got, _ in early],
+        [str(p.job_id) for _, p in early],
+        [got.record.topic for got, _ in early],
+        [got.record.value for got, _ in early],
+    )
+
+
+async def take_early(
+    conn: asyncpg.Connection, job_ids: Iterable[str], models: Mapping[str, type[BaseModel]]
+) -> list[tuple[Envelope, Any]]:
+    """Remove and return the kept events about these jobs, decoded as they were when read."""
+    rows = await conn.fetch(
+        "DELETE FROM gateway.early_events WHERE job_id = ANY($1::text[]) RETURNING topic, value",
+        sorted(job_ids),
+    )
+    taken = []
+    for r in rows:
+        env = Envelope.model_validate_json(r["value"])
+        taken.append((env, models[r["topic"]].model_validate(env.payload)))
+    return taken
 
 
 async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> None:

@@ -1,0 +1,150 @@
+"""The gateway's projector on the real PostgreSQL and Redis when a job's lifecycle events are
+read before the job itself: it reads every job topic on one consumer whose partitions are
+fetched independently, so a placement or a start can come before the job.queued of a job
+submitted on Kafka. Nothing read early may be lost, in one batch, over several, or with two
+replicas projecting at once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+from redis.asyncio import Redis
+
+from schemas import topics
+from schemas.envelope import Envelope
+from schemas.events import JobQueued, JobStarted, PlacementDecided, ReplicaAssignment
+from schemas.job import JobSpec, JobState
+from services.common.db import create_pool
+from services.gateway import store
+from services.gateway.handlers import Projector
+from tests.unit.gateway.builders import record
+
+pytestmark = pytest.mark.integration
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+_offsets = itertools.count()
+
+
+def spec(job_id: str) -> JobSpec:
+    return JobSpec.model_validate(
+        {"job_id": job_id, "tenant": "vision", "resources": {"accelerators": 2}}
+    )
+
+
+def rec(topic: str, payload: BaseModel, seconds: float, job_id: str) -> object:
+    env = Envelope(
+        type=type(payload).__name__,
+        occurred_at=T0 + timedelta(seconds=seconds),
+        payload=payload.model_dump(mode="json"),
+    )
+    return record(topic, env.model_dump_json().encode(), next(_offsets), job_id)
+
+
+def queued(job_id: str) -> object:
+    return rec(
+        topics.JOB_QUEUED, JobQueued(job_id=job_id, spec=spec(job_id), submitted_at=T0), 1, job_id
+    )
+
+
+def placed(job_id: str) -> object:
+    decided = PlacementDecided(
+        job_id=job_id, attempt=1, epoch=1, leader="s", cluster="c1", accelerator_type="H100",
+        spec=spec(job_id),
+        replicas=[
+            ReplicaAssignment(
+                replica=0, node_id="n0", accelerators=2, cpu=1, memory_gb=1, devices=[2, 3]
+            )
+        ],
+    )  # fmt: skip
+    return rec(topics.PLACEMENT_DECIDED, decided, 5, job_id)
+
+
+def started(job_id: str) -> object:
+    run = JobStarted(job_id=job_id, attempt=1, cluster="c1", nodes=["n0"], started_at=T0)
+    return rec(topics.JOB_STARTED, run, 9, job_id)
+
+
+@pytest.fixture
+async def rig(fresh_database_url: str, redis_url: str) -> AsyncIterator[tuple[asyncpg.Pool, Redis]]:
+    pool = await create_pool(fresh_database_url)
+    redis = Redis.from_url(redis_url)
+    try:
+        await store.migrate_gateway(pool)
+        yield pool, redis
+    finally:
+        await redis.aclose()
+        await pool.close()
+
+
+async def view(pool: asyncpg.Pool, job_id: str) -> asyncpg.Record | None:
+    return await pool.fetchrow(
+        "SELECT state, attempt, placement FROM gateway.jobs WHERE job_id = $1", job_id
+    )
+
+
+async def kept(pool: asyncpg.Pool) -> list[str]:
+    rows = await pool.fetch("SELECT job_id FROM gateway.early_events ORDER BY job_id")
+    return [r["job_id"] for r in rows]
+
+
+async def test_events_read_before_the_job_are_folded_in_once_it_is_known(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    pool, redis = rig
+    projector = Projector(pool, redis)
+
+    # Over batches: the placement and the start come first and wait.
+    await projector.process((placed("j-late"), started("j-late")))  # type: ignore[arg-type]
+    assert await view(pool, "j-late") is None
+    assert await kept(pool) == ["j-late", "j-late"]
+    await projector.process((queued("j-late"),))  # type: ignore[arg-type]
+    row = await view(pool, "j-late")
+    assert row is not None and (row["state"], row["attempt"]) == (JobState.RUNNING.value, 1)
+    assert row["placement"] is not None and '"devices": [2, 3]' in row["placement"]
+    assert await kept(pool) == []
+
+    # In one batch, the placement ahead of the job.queued.
+    await projector.process((placed("j-batch"), queued("j-batch")))  # type: ignore[arg-type]
+    row = await view(pool, "j-batch")
+    assert row is not None and row["state"] == JobState.PLACED.value
+    assert await kept(pool) == []
+
+    # The timeline holds every event once, the early ones included.
+    events = await pool.fetch(
+        "SELECT type FROM gateway.job_events WHERE job_id = 'j-late' ORDER BY at"
+    )
+    assert [e["type"] for e in events] == ["JobQueued", "PlacementDecided", "JobStarted"]
+
+
+async def test_two_replicas_racing_lose_no_early_event(rig: tuple[asyncpg.Pool, Redis]) -> None:
+    """One replica reads the job.queued, the other the placement, at the same moment: whichever
+    commits first, the job ends up placed and nothing stays kept."""
+    pool, redis = rig
+    a, b = Projector(pool, redis), Projector(pool, redis)
+    for i in range(20):
+        job_id = f"j-race-{i}"
+        first, second = (a, b) if i % 2 else (b, a)
+        await asyncio.gather(
+            first.process((queued(job_id),)),  # type: ignore[arg-type]
+            second.process((placed(job_id),)),  # type: ignore[arg-type]
+        )
+        row = await view(pool, job_id)
+        assert row is not None and row["state"] == JobState.PLACED.value, job_id
+    assert await kept(pool) == []
+
+
+async def test_events_about_jobs_never_heard_of_are_dropped_after_a_day(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    pool, redis = rig
+    projector = Projector(pool, redis)
+    await projector.process((started("j-stray"),))  # type: ignore[arg-type]
+    await pool.execute("UPDATE gateway.early_events SET received_at = now() - interval '25 hours'")
+    await projector.process((started("j-other"),))  # type: ignore[arg-type]
+    assert await kept(pool) == ["j-other"]
