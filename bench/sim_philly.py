@@ -4,9 +4,9 @@
    replay (`wall_s` is the default policy's, the one the live scheduler runs).
 2. October-November 2017 (68,510 jobs) into the same pool, offered load printed: average JCT
    against strict FIFO in the same run, utilization while a backlog exists, over-commit.
-3. The same window with per-tenant quotas from philly_vc_nodes.csv scaled to the pool, default
-   policy: each tenant's entitlement, its share of the demand, and the share of the pool it
-   held while some of its jobs waited.
+3. The same window with per-tenant quotas from philly_vc_nodes.csv scaled to the pool, the
+   default policy and fair share alone: each tenant's entitlement, its share of the demand,
+   and the share of the pool it held while some of its jobs waited.
 Ends with one JSON line (shared BENCH.md). Skips with a message when the traces are absent.
 
     .venv/bin/python -m bench.sim_philly            # everything (a few minutes on 2 cores)
@@ -33,13 +33,16 @@ from sim.engine import Simulation
 from sim.fleet import Fleet, pool_fleet
 from sim.report import offered_load, summarize
 from sim.runner import Comparison, compare, vc_entitlement
-from sim.variants import VARIANTS, variant
+from sim.variants import variant
 from sim.workload import SimJob, Window, load_philly
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT.parent / "shared" / "traces"
 POOL = "64x8"
 WINDOW = "2017-10-01:2017-11-30"
+# The policy file (learned service levels and repacking), without repacking, fair share alone,
+# and the baselines.
+POLICIES = ("fifo", "fifo-backfill", "fair-share", "no-repack", "default", "las")
 INTERVAL_S = 60.0
 # The bars, checked (not enforced) at the end: average JCT against FIFO with greedy backfill in
 # the same run, and utilization while a backlog exists (issue 16).
@@ -118,7 +121,7 @@ def bars(walls: dict[str, float], run: Comparison) -> list[str]:
             f"{walls['default']:.1f} s <= {WALL_BAR_S:g} s"
         )
     baseline = run.summaries.get("fifo-backfill", {}).get("avg_jct_s")
-    for name in ("default", "learned", "las"):
+    for name in ("default", "no-repack", "fair-share", "learned", "las"):
         s = run.summaries.get(name)
         if s is None or not baseline:
             continue
@@ -135,7 +138,7 @@ def bars(walls: dict[str, float], run: Comparison) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-full", action="store_true", help="skip the whole-trace replays")
-    parser.add_argument("--policies", default=",".join(VARIANTS))
+    parser.add_argument("--policies", default=",".join(POLICIES))
     args = parser.parse_args(argv)
     philly = TRACES / "philly.csv"
     if not philly.exists():
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         TRACES / "philly_vc_nodes.csv", [j.request.tenant for j in window], capacity
     )
     print("Oct-Nov 2017 with per-VC quotas scaled to the pool (one cohort, reclaim on):")
-    quota_policies = [p for p in ("default", "learned") if p == "default" or p in policies]
+    quota_policies = [p for p in ("fair-share", "default") if p == "default" or p in policies]
     quota_run = compare(fleet, base, window, quota_policies, INTERVAL_S, entitlement=ent)
     shares = {name: tenants(quota_run, name) for name in quota_policies}
 

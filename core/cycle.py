@@ -32,6 +32,7 @@ from core.policy import BackfillMode, Policy
 from core.preemption import VictimSearch, awaiting
 from core.quota import Admission, QuotaBook
 from core.reasons import Miss, PendingExplanation, ReasonCode, explain
+from core.repack import repack
 from core.service import Levels
 from core.state import CycleState
 
@@ -44,6 +45,10 @@ __all__ = [
     "decide",
     "schedule",
 ]
+
+# A cycle's repack looks this far down the order, and tries this many jobs at most.
+REPACK_SCAN = 64
+REPACK_TRIES = 2
 
 # Misses that mean "the fleet is busy", as opposed to quota or an impossible request.
 CAPACITY_CODES = frozenset({ReasonCode.INSUFFICIENT_CAPACITY, ReasonCode.CAPACITY_RESERVED})
@@ -76,6 +81,8 @@ def decide(
     run = _Run.start(state, policy, now, explain_pending)
     for job in in_order(state.queues, run.lane_share, None if explain_pending else run.settled):
         run.consider(job)
+    if policy.preemption.enabled and policy.preemption.repack:
+        run.repack()
     pending = run.explanations() if explain_pending else {}
     for alloc in run.placements:
         state.start(alloc)
@@ -317,6 +324,41 @@ class _Run:
                 self._miss(job, awaiting(f"{count} lower-claim {plural} will make room"))
             elif outcome is not None:
                 self._miss(job, outcome)
+
+    def repack(self) -> None:
+        """After every job was considered: if free capacity is left and a job that has waited
+        `repack_after_s` would fit in it but for how it is scattered, move a few small jobs
+        (core/repack.py). At most one repack per cycle, tried for the first jobs in order."""
+        if self.free_total <= EPS:
+            return
+        after = self.policy.preemption.repack_after_s
+        placed = {a.job.job_id for a in self.placements}
+        placed.update(p.for_job for p in self.preemptions)
+        tried = 0
+        for scanned, job in enumerate(in_order(self.state.queues, self.lane_share, None)):
+            if scanned >= REPACK_SCAN or tried >= REPACK_TRIES:
+                return
+            waited = self.now - job.submit_time
+            if job.job_id in placed or waited < after or job.accelerators <= 0:
+                continue
+            if job.total_accelerators > self.free_total + EPS or invalid_reason(job):
+                continue
+            admissions = self._admit(job)
+            if isinstance(admissions, Miss) or self.victims.awaiting_victims(job):
+                continue
+            tried += 1
+            unavailable = self.state.preempting | self.state.protected | self.victims.taken
+            types = [a.accelerator_type for a in admissions]
+            decision = repack(
+                self.state.cap, job, types, self.state.on_node, unavailable, self.policy, self.now
+            )
+            if decision is not None:
+                self.victims.taken.update(v.job_id for v in decision.victims)
+                self.preemptions.append(decision)
+                count = len(decision.victims)
+                plural = "job moves" if count == 1 else "jobs move"
+                self._miss(job, awaiting(f"{count} smaller {plural} to pack its room"))
+                return
 
     def _maybe_reserve(self, job: JobRequest) -> None:
         backfill = self.policy.backfill

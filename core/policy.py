@@ -8,6 +8,7 @@ and lenient about absence (every section has a documented default).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -125,6 +126,10 @@ class Preemption:
     # preemption up to the cap, so room made for a claim is not taken straight back.
     requeue_backoff_s: float = 30.0
     requeue_backoff_cap_s: float = 900.0
+    # Move a few small running jobs (each to room that is free elsewhere) so that a job that
+    # has waited this long for more of one node than any has free can start (core/repack.py).
+    repack: bool = False
+    repack_after_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,11 @@ class ServiceLevels:
     # What has finished is learned from at most this often (fleet seconds): pending jobs are
     # re-levelled then, not after every end.
     refresh_s: float = 3600.0
+    # How many levels above the waiting job a running job of its rank must be to yield to it
+    # for service (`ordering: las` uses 1). With 1, jobs of one kind that outlive their kind's
+    # history preempt each other in turn as they cross a level's edge, each paying a
+    # checkpoint and a restart; 2 asks that the victim be expected to need `ratio` times more.
+    preempt_gap: int = 2
 
 
 def _standard_classes() -> dict[str, PriorityClass]:
@@ -364,7 +374,16 @@ def _parse_backfill(raw: Any) -> Backfill:
 
 def _parse_preemption(raw: Any) -> Preemption:
     keys = {f.name for f in dataclasses.fields(Preemption)}
-    return Preemption(**_fields(raw, "preemption", keys))
+    fields = _fields(raw, "preemption", keys)
+    flags = {"enabled", "reclaim", "repack"}
+    for key, value in fields.items():
+        if key in flags:
+            if not isinstance(value, bool):
+                raise PolicyError(f"preemption.{key}: expected true or false, got {value!r}")
+        elif isinstance(value, bool | str) or not (0 <= value < math.inf):
+            # A NaN would make every comparison false: a guard that never fires.
+            raise PolicyError(f"preemption.{key}: expected a number >= 0, got {value!r}")
+    return Preemption(**fields)
 
 
 def _parse_las(raw: Any) -> Las:
@@ -378,7 +397,7 @@ def _parse_las(raw: Any) -> Las:
 
 def _parse_service_levels(raw: Any) -> ServiceLevels:
     where = "service_levels"
-    keys = {"mode", "base_s", "ratio", "levels", "min_samples", "refresh_s"}
+    keys = {"mode", "base_s", "ratio", "levels", "min_samples", "refresh_s", "preempt_gap"}
     fields = _fields(raw, where, keys)
     default = ServiceLevels()
     mode = _enum(LevelMode, fields.pop("mode", default.mode.value), f"{where}.mode")
@@ -390,7 +409,7 @@ def _parse_service_levels(raw: Any) -> ServiceLevels:
     if not (1.01 <= ratio <= 1e6):
         raise PolicyError(f"{where}.ratio: expected 1.01 to 1e6, got {ratio}")
     counts = {}
-    for key, high in (("levels", 64), ("min_samples", 256)):
+    for key, high in (("levels", 64), ("min_samples", 256), ("preempt_gap", 64)):
         counts[key] = _int(fields.get(key, getattr(default, key)), f"{where}.{key}")
         if not 1 <= counts[key] <= high:
             raise PolicyError(f"{where}.{key}: expected 1 to {high}, got {counts[key]}")

@@ -33,10 +33,10 @@ def victim_reason(
     victim: Claim,
     preemptor_job: JobRequest,
     policy: Policy,
-    by_service: bool,
+    service_gap: int,
 ) -> ReasonCode | None:
-    """Why `victim` may yield to `preemptor`, or None if it may not; `by_service`: whether a
-    lower service level alone is a reason (las or learned levels)."""
+    """Why `victim` may yield to `preemptor`, or None if it may not; `service_gap`: how many
+    levels above the preemptor's a victim's service level alone is a reason (0: never)."""
     if not victim < preemptor:
         return None
     if victim.rank < preemptor.rank:
@@ -44,7 +44,7 @@ def victim_reason(
         return ReasonCode.PREEMPTED_FOR_PRIORITY if may else None
     if victim.guaranteed != preemptor.guaranteed:
         return ReasonCode.RECLAIMED_BORROWED if policy.preemption.reclaim else None
-    if by_service:
+    if service_gap and victim.neg_level + service_gap <= preemptor.neg_level:
         return ReasonCode.PREEMPTED_ATTAINED_SERVICE
     return None
 
@@ -67,8 +67,9 @@ class VictimPool:
     """
 
     by_type: dict[str, dict[Claim, list[Allocation]]] = field(default_factory=dict)
-    # Whether a lower service level alone lets a job take a running job's place.
-    by_service: bool = False
+    # How many levels lower a job must be to take a running job's place for service alone
+    # (0: never; `Levels.preempt_gap`).
+    service_gap: int = 0
     # Highest level among the pool's jobs per priority rank (worked out when first asked).
     levels_by_rank: dict[int, int] | None = None
 
@@ -105,7 +106,7 @@ class VictimPool:
                 buckets[key] = [alloc]
             else:
                 bucket.append(alloc)
-        pool = cls(by_service=levels.active)
+        pool = cls(service_gap=levels.preempt_gap)
         for (accelerator_type, priority_class, inside, level), allocs in buckets.items():
             claim = Claim(policy.rank(priority_class), inside, -level)
             by_claim = pool.by_type.setdefault(accelerator_type, {})
@@ -125,7 +126,7 @@ class VictimPool:
         skip = set(taken)
         out: list[Candidate] = []
         for claim, allocs in self.by_type.get(accelerator_type, {}).items():
-            reason = victim_reason(preemptor, claim, job, policy, self.by_service)
+            reason = victim_reason(preemptor, claim, job, policy, self.service_gap)
             if reason is None:
                 continue
             out.extend(
@@ -230,7 +231,12 @@ class VictimSearch:
 
     @property
     def _by_service(self) -> bool:
-        return self.levels is not None and self.levels.active
+        return self.levels is not None and self.levels.preempt_gap > 0
+
+    def _service_victims_above(self, rank: int, level: int) -> bool:
+        """Whether a running job of `rank` is far enough above `level` to yield for service."""
+        assert self.levels is not None
+        return self._highest_level(rank) >= level + self.levels.preempt_gap
 
     def exhausted(self) -> bool:
         """Whether no job can get a victim search in the rest of this cycle."""
@@ -262,7 +268,9 @@ class VictimSearch:
         for any)."""
         if self.exhausted():
             return False
-        if self._by_service and self._highest_level(self.policy.rank(priority_class)) > level:
+        if self._by_service and self._service_victims_above(
+            self.policy.rank(priority_class), level
+        ):
             return True
         if self.policy.priority(priority_class).preempting and (
             self._lowest_running_rank() < self.policy.rank(priority_class)
@@ -281,11 +289,11 @@ class VictimSearch:
             return False
         rank = self.policy.rank(job.priority_class)
         if self._by_service:
-            # Only a running job of the same rank at a higher level can yield for service; a
+            # Only a running job of the same rank far enough above it can yield for service; a
             # job that has none must not use up the cycle's searches (reclaim needs them).
             assert self.levels is not None
             level = self.levels.level(job, self.attained.get(job.job_id, 0.0))
-            if self._highest_level(rank) > level:
+            if self._service_victims_above(rank, level):
                 return True
         if self.policy.priority(job.priority_class).preempting and (
             self._lowest_running_rank() < rank
@@ -325,7 +333,7 @@ class VictimSearch:
         None when no set of lower-claim jobs would do."""
         self.attempts += 1
         self._exhausted = None
-        if self._awaiting_victims(job):
+        if self.awaiting_victims(job):
             return awaiting("victims chosen earlier are still leaving")
         assert self.levels is not None
         level = self.levels.level(job, self.attained.get(job.job_id, 0.0))
@@ -356,7 +364,8 @@ class VictimSearch:
             )
         return self._pool
 
-    def _awaiting_victims(self, job: JobRequest) -> bool:
+    def awaiting_victims(self, job: JobRequest) -> bool:
+        """Whether the jobs already leaving would make room for `job`."""
         leaving = [self.running[j] for j in self.preempting if j in self.running]
         if not leaving:
             return False

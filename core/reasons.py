@@ -30,6 +30,8 @@ class ReasonCode(StrEnum):
     PREEMPTED_FOR_PRIORITY = "preempted_for_priority"
     RECLAIMED_BORROWED = "reclaimed_borrowed"
     PREEMPTED_ATTAINED_SERVICE = "preempted_attained_service"
+    # Moved to room free elsewhere so that a long-waiting job can start (core/repack.py).
+    REPACKED = "repacked"
 
 
 @dataclass(frozen=True)

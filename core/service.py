@@ -209,6 +209,16 @@ class Levels:
             or self.policy.service_levels.mode is LevelMode.LEARNED
         )
 
+    @property
+    def preempt_gap(self) -> int:
+        """How many levels above a waiting job a running one of its rank must be to yield to
+        it for service alone; 0: service alone never makes a job yield."""
+        if self.policy.ordering is OrderingMode.LAS:
+            return 1
+        if self.policy.service_levels.mode is LevelMode.LEARNED:
+            return self.policy.service_levels.preempt_gap
+        return 0
+
     def level(self, job: JobRequest, attained: float) -> int:
         policy = self.policy
         if policy.ordering is OrderingMode.LAS:

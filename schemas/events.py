@@ -216,7 +216,10 @@ class PreemptionRequested(Payload):
     for_priority_class: str
     for_claim: Claim
     reason_code: str = Field(
-        description="preempted_for_priority, reclaimed_borrowed or preempted_attained_service."
+        description=(
+            "preempted_for_priority, reclaimed_borrowed, preempted_attained_service, or "
+            "repacked (moved to room free elsewhere; no claim is taken)."
+        )
     )
     message: str
     grace_s: float = Field(description="The victim's checkpoint grace period (fleet seconds).")

@@ -17,6 +17,9 @@ from core.policy import (
 )
 
 VARIANTS = ("fifo", "fifo-backfill", "default", "las", "learned")
+# Also known by name, not compared by default: the file without repacking, and fair share
+# alone (neither service levels nor repacking).
+OTHER_VARIANTS = ("no-repack", "fair-share")
 
 
 class UnknownVariant(ValueError):
@@ -25,8 +28,9 @@ class UnknownVariant(ValueError):
 
 def variant(base: Policy, name: str) -> Policy:
     """`base` as the named policy: 'default' is the file itself; the others keep its tenants,
-    fleet knobs and placement, turn service levels off and set ordering, backfill and
-    preemption; 'learned' is the file with learned service levels on."""
+    fleet knobs and placement, turn service levels and repacking off and set ordering,
+    backfill and preemption; 'learned' is the file with learned service levels on,
+    'no-repack' the file with repacking off, 'fair-share' the file with both off."""
     no_preemption = replace(base.preemption, enabled=False)
     if name == "default":
         return base
@@ -36,7 +40,12 @@ def variant(base: Policy, name: str) -> Policy:
             service_levels=replace(base.service_levels, mode=LevelMode.LEARNED),
             preemption=replace(base.preemption, enabled=True),
         )
+    base = replace(base, preemption=replace(base.preemption, repack=False))
+    if name == "no-repack":
+        return base
     base = replace(base, service_levels=ServiceLevels())
+    if name == "fair-share":
+        return base
     if name == "fifo":
         # Strict FIFO: the head of the line blocks everything behind it.
         return replace(
@@ -60,7 +69,8 @@ def variant(base: Policy, name: str) -> Policy:
             backfill=Backfill(mode=BackfillMode.GREEDY),
             preemption=replace(base.preemption, enabled=True),
         )
-    raise UnknownVariant(f"unknown policy {name!r}; choose from {', '.join(VARIANTS)}")
+    known = ", ".join(VARIANTS + OTHER_VARIANTS)
+    raise UnknownVariant(f"unknown policy {name!r}; choose from {known}")
 
 
 def with_quotas(base: Policy, nominal: Mapping[str, float], cohort: str = "pool") -> Policy:

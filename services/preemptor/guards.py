@@ -17,6 +17,8 @@ from typing import TypeVar
 from core.policy import Policy
 
 PRIORITY_REASON = "preempted_for_priority"
+# A move to room free elsewhere (core/repack.py): no claim is taken from the victim.
+REPACK_REASON = "repacked"
 
 _T = TypeVar("_T", int, datetime)
 
@@ -278,6 +280,8 @@ def decide_request(
 
 def claim_refusal(req: Request, policy: Policy) -> str | None:
     """Why the requester's claim does not beat the victim's, or None if it does."""
+    if req.reason_code == REPACK_REASON:
+        return _repack_refusal(req, policy)
     if req.for_claim <= req.claim:
         return (
             f"job {req.for_job}'s claim {_claim(req.for_claim)} is not higher than job "
@@ -334,6 +338,22 @@ def _victim_gone(req: Request) -> str:
         f"run {req.attempt} of job {req.job_id} has already ended; "
         f"its capacity is free for job {req.for_job} without a preemption"
     )
+
+
+def _repack_refusal(req: Request, policy: Policy) -> str | None:
+    """A move takes no capacity from the victim, so it needs no higher claim; but the policy
+    must allow moves, and a job is never moved for a job of a lower priority rank."""
+    if not (policy.preemption.enabled and policy.preemption.repack):
+        return (
+            f"job {req.job_id} would be moved to make room for job {req.for_job}, but "
+            "preemption.repack is off in the policy"
+        )
+    if policy.rank(req.for_priority_class) < policy.rank(req.priority_class):
+        return (
+            f"job {req.job_id} ({req.priority_class!r}) is not moved for job {req.for_job} of "
+            f"the lower priority class {req.for_priority_class!r}"
+        )
+    return None
 
 
 def _claim(key: ClaimKey) -> str:

@@ -54,6 +54,8 @@ def mixed(n: int, seed: int, pool_gpus: float, load: float) -> list[SimJob]:
         ("fifo-backfill", "mixed"),
         ("learned", "whole"),
         ("learned", "mixed"),
+        ("repack", "whole"),
+        ("repack", "mixed"),
     ],
 )
 def test_every_cycle_decides_like_a_fresh_snapshot(
@@ -70,6 +72,11 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
         pol = replace(
             Policy.from_dict({"preemption": {"min_runtime_s": 600}}),
             service_levels=ServiceLevels(mode=LevelMode.LEARNED, min_samples=4),
+        )
+    elif name == "repack":
+        # Small jobs moved for long-waiting big ones: the moves are preemptions of their own.
+        pol = Policy.from_dict(
+            {"preemption": {"repack": True, "repack_after_s": 300, "min_runtime_s": 300}}
         )
     else:
         pol = variant(Policy.default(), name)
@@ -104,7 +111,7 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
     assert summary["finished"] == len(jobs) and checked > 100
     # No node and no device past what it has, by the simulator's own per-device ledger.
     assert summary["overcommit"] == 0
-    if name in ("las", "quotas", "learned"):
+    if name in ("las", "quotas", "learned", "repack"):
         assert summary["preemptions"] > 0
     if name == "learned":
         assert sim.state.levels.history.epoch > 10

@@ -187,6 +187,35 @@ def test_a_long_running_job_of_a_long_kind_yields_to_a_short_kind() -> None:
 
 
 @pytest.mark.parametrize(
+    ("veteran_attained", "gap", "yields"),
+    [
+        (4 * 14_400.0, 1, True),  # one level above: enough when the gap is 1
+        (4 * 14_400.0, 2, False),  # the default asks for two
+        (16 * 14_400.0, 2, True),
+    ],
+)
+def test_jobs_past_their_kind_yield_to_each_other_only_across_the_gap(
+    veteran_attained: float, gap: int, yields: bool
+) -> None:
+    """Two jobs of one kind that both outlived its history (600 accelerator-seconds) are
+    levelled by what they attained. A requeued one (14,400) takes a running one's place only
+    when that one is `preempt_gap` levels above it, not as soon as it crosses the next edge,
+    or such jobs would preempt each other in turn, each paying a checkpoint and a restart."""
+    pol = replace(LEARNED, service_levels=replace(LEARNED.service_levels, preempt_gap=gap))
+    history = history_of("t", 8, [600.0] * 8)
+    veteran = running(job(8, job_id="veteran", tenant="t"), "c1-n-0000", start=0)
+    back = job(8, job_id="back", tenant="t", submit=50)
+    state = CycleState.from_snapshot(
+        snapshot(gpu_nodes(1), [back], [veteran]), pol, Levels(pol, history)
+    )
+    state.attained = {JobId("veteran"): veteran_attained, JobId("back"): 14_400.0}
+    decisions = decide(state, pol, now=10_000.0).preemptions
+    assert [(d.for_job, d.victims[0].reason) for d in decisions] == (
+        [(JobId("back"), ReasonCode.PREEMPTED_ATTAINED_SERVICE)] if yields else []
+    )
+
+
+@pytest.mark.parametrize(
     ("section", "error"),
     [
         ({"mode": "psychic"}, "service_levels.mode"),
@@ -196,6 +225,8 @@ def test_a_long_running_job_of_a_long_kind_yields_to_a_short_kind() -> None:
         ({"ratio": float("inf")}, "service_levels.ratio"),
         ({"levels": 0}, "service_levels.levels"),
         ({"min_samples": 1000}, "service_levels.min_samples"),
+        ({"preempt_gap": 0}, "service_levels.preempt_gap"),
+        ({"preempt_gap": 1.5}, "service_levels.preempt_gap"),
         ({"history": 10}, "unknown"),
     ],
 )

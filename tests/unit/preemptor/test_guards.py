@@ -331,3 +331,26 @@ def test_facts_merge_in_any_order(facts: list[JobFacts], rnd: random.Random) -> 
 
     assert fold(facts) == fold(shuffled)
     assert fold(facts + facts) == fold(facts)  # redelivery changes nothing
+
+
+def test_a_repack_moves_a_job_without_a_higher_claim_only_when_the_policy_allows() -> None:
+    """A move (core/repack.py) takes no capacity from its job, so equal claims are fine; but
+    only with `preemption.repack` on, and never for a job of a lower priority rank."""
+    move = request(
+        reason_code="repacked",
+        priority_class="normal",
+        claim=(10, True, 0),
+        for_priority_class="normal",
+        for_claim=(10, True, 0),
+    )
+    on = replace(POLICY, preemption=replace(POLICY.preemption, repack=True))
+    assert isinstance(decide_request(move, situation(), on, LIMITS, T0), Signal)
+    off = decide_request(move, situation(), POLICY, LIMITS, T0)
+    assert isinstance(off, Cancel) and off.reason is CancelReason.CLAIM_NOT_HIGHER
+    assert "preemption.repack is off" in off.message
+    down = decide_request(replace(move, for_priority_class="low"), situation(), on, LIMITS, T0)
+    assert isinstance(down, Cancel) and "lower priority class" in down.message
+    # The other guards still hold: a move waits out the victim's minimum runtime too.
+    young = situation(victim=running(ran_s=60))
+    held = decide_request(move, young, on, LIMITS, T0)
+    assert isinstance(held, Cancel) and held.reason is CancelReason.MIN_RUNTIME
