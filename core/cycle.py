@@ -332,25 +332,43 @@ class _Run:
         if self.free_total <= EPS:
             return
         after = self.policy.preemption.repack_after_s
+        every_hold = frozenset(r.number for r in self.reservations)
         placed = {a.job.job_id for a in self.placements}
         placed.update(p.for_job for p in self.preemptions)
         tried = 0
-        for scanned, job in enumerate(in_order(self.state.queues, self.lane_share, None)):
+        # Under strict FIFO only the head of the line may start, so only it is repacked for.
+        head = self.head_of_line
+        order = [head] if head else in_order(self.state.queues, self.lane_share, None)
+        for scanned, job in enumerate(order):
             if scanned >= REPACK_SCAN or tried >= REPACK_TRIES:
                 return
-            waited = self.now - job.submit_time
+            waited = self.now - job.waiting_since
             if job.job_id in placed or waited < after or job.accelerators <= 0:
                 continue
             if job.total_accelerators > self.free_total + EPS or invalid_reason(job):
                 continue
             admissions = self._admit(job)
-            if isinstance(admissions, Miss) or self.victims.awaiting_victims(job):
+            if isinstance(admissions, Miss):
                 continue
             tried += 1
+            if self.victims.awaiting_victims(job):
+                continue
+            blocked = frozenset(
+                r.number
+                for r in self.reservations
+                if r.job_id != job.job_id and not may_backfill(job, r, self.now)
+            )
             unavailable = self.state.preempting | self.state.protected | self.victims.taken
             types = [a.accelerator_type for a in admissions]
             decision = repack(
-                self.state.cap, job, types, self.state.on_node, unavailable, self.policy, self.now
+                self.state.cap,
+                job,
+                types,
+                self.state.on_node,
+                unavailable,
+                self.policy,
+                self.now,
+                (blocked, every_hold),
             )
             if decision is not None:
                 self.victims.taken.update(v.job_id for v in decision.victims)

@@ -105,6 +105,9 @@ class JobRequest:
     preemptible: bool
     submit_time: float
     max_runtime_s: float | None = None
+    # When it last went back to the queue (a requeue after a run ended); None: submit_time.
+    # Only how long it has waited this time reads it (core/repack.py), never the order.
+    queued_time: float | None = None
     excluded_nodes: frozenset[NodeId] = frozenset()
     # Jobs of one group are kept apart (the replicas of one inference service): placement
     # prefers a node, rack and cluster holding fewer of the group.
@@ -113,6 +116,10 @@ class JobRequest:
     @property
     def total_accelerators(self) -> float:
         return self.replicas * self.accelerators
+
+    @property
+    def waiting_since(self) -> float:
+        return self.submit_time if self.queued_time is None else self.queued_time
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ from core.reasons import ReasonCode
 # Nodes whose small jobs one repack may consider moving, best first.
 NODES_TRIED = 16
 
+# Reservation holds the waiting job may not use, and every hold of the cycle.
+Holds = tuple[frozenset[int], frozenset[int]]
+
 
 def repack(
     cap: Capacity,
@@ -39,12 +42,17 @@ def repack(
     unavailable: frozenset[JobId] | set[JobId],
     policy: Policy,
     now: float,
+    holds: Holds = (frozenset(), frozenset()),
 ) -> PreemptionDecision | None:
     """Running jobs to move so that `job` (admitted on `types`) fits now, with every one of
     them fitting again elsewhere; None when no such small set exists. `unavailable` names jobs
-    that may not move (already leaving, protected, or chosen as victims in this cycle)."""
+    that may not move (already leaving, protected, or chosen as victims in this cycle).
+    `holds`: the cycle's reservations `job` may not use, and all of them (a moved job is
+    never counted on to backfill one)."""
     spot_ok = job.preemptible or not policy.placement.spot_for_preemptible_only
     idx = cap.candidates(tuple(types), job.accelerator_memory_gb, spot_ok)
+    for number in holds[0]:
+        idx = idx[cap.held[idx] != number]
     if idx.size == 0 or job.accelerators <= 0:
         return None
     free = cap.free_accelerators(idx)
@@ -93,7 +101,9 @@ def repack(
     if job.replicas == 1:
         # One node's small jobs make the room: each node on its own, cheapest first.
         for chosen in tried:
-            decision = _attempt(cap, job, target, chosen, policy, now)
+            if len(chosen) > policy.preemption.max_victims:
+                continue
+            decision = _attempt(cap, job, target, chosen, policy, now, holds)
             if decision is not None:
                 return decision
         return None
@@ -103,7 +113,7 @@ def repack(
         moved.extend(chosen)
         if len(moved) > policy.preemption.max_victims:
             return None
-        decision = _attempt(cap, job, target, moved, policy, now)
+        decision = _attempt(cap, job, target, moved, policy, now, holds)
         if decision is not None or k == len(tried) - 1:
             return decision
     return None
@@ -116,17 +126,18 @@ def _attempt(
     moved: list[Allocation],
     policy: Policy,
     now: float,
+    holds: Holds,
 ) -> PreemptionDecision | None:
     """The decision if, with `moved` gone, `target` fits and then each of them fits again."""
     what_if = cap.copy()
     for alloc in moved:
         what_if.release(alloc.replicas, alloc.job.spread_group)
     sensitivity = policy.priority(job.priority_class).cost_sensitivity
-    plan = find_placement(what_if, target, policy.placement, sensitivity, precise=False)
+    plan = find_placement(what_if, target, policy.placement, sensitivity, holds[0], precise=False)
     if not isinstance(plan, Plan):
         return None
     commit(what_if, job, plan, now)
-    if not _all_fit_again(what_if, moved, policy, now):
+    if not _all_fit_again(what_if, moved, policy, now, holds[1]):
         return None
     return PreemptionDecision(
         job.job_id, tuple(_victim(a, job) for a in sorted(moved, key=_job_id))
@@ -137,7 +148,9 @@ def _job_id(alloc: Allocation) -> JobId:
     return alloc.job.job_id
 
 
-def _all_fit_again(what_if: Capacity, moved: list[Allocation], policy: Policy, now: float) -> bool:
+def _all_fit_again(
+    what_if: Capacity, moved: list[Allocation], policy: Policy, now: float, holds: frozenset[int]
+) -> bool:
     """Whether the moved jobs, largest first, each find a place on what is left, of the type
     each runs on now (so a move changes no tenant's quota standing)."""
     for alloc in sorted(moved, key=lambda a: (-a.job.total_accelerators, a.job.job_id)):
@@ -145,7 +158,7 @@ def _all_fit_again(what_if: Capacity, moved: list[Allocation], policy: Policy, n
         same_type = (what_if.type_names[int(what_if.type_of[node])],)
         again = replace(alloc.job, accelerator_types=same_type)
         sensitivity = policy.priority(alloc.job.priority_class).cost_sensitivity
-        plan = find_placement(what_if, again, policy.placement, sensitivity, precise=False)
+        plan = find_placement(what_if, again, policy.placement, sensitivity, holds, precise=False)
         if not isinstance(plan, Plan):
             return False
         commit(what_if, alloc.job, plan, now)

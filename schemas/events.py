@@ -67,6 +67,10 @@ class JobQueued(Payload):
         default=None,
         description="On a requeue with backoff: the scheduler places the job no earlier.",
     )
+    queued_at: datetime | None = Field(
+        default=None,
+        description="On a requeue: when the job went back to the queue (the run ended).",
+    )
 
 
 class JobRejected(Payload):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 from core.capacity import EPS, MILLI, milli
@@ -308,7 +308,7 @@ class Simulation:
         self.trace.lost_work += restart * rec.accelerators
         self._account(alloc.job.tenant, -rec.accelerators, pending=1)
         self._ledger(alloc, -1.0)
-        self.state.queues.add(alloc.job, rec.attained)
+        self.state.queues.add(replace(alloc.job, queued_time=self._now), rec.attained)
 
     def _ledger(self, alloc: Allocation, sign: float) -> None:
         """Books the allocation per node and per device it names (in thousandths, apart from

@@ -15,6 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import topics
+from schemas.envelope import Envelope
 from schemas.events import (
     JobCancelRequested,
     JobCheckpointRequested,
@@ -34,6 +35,9 @@ from services.gateway import store
 from services.gateway.projection import EventLine, JobView, project
 
 log = structlog.get_logger()
+
+# The events that give a job its view (the others are about a job the gateway knows).
+CREATING = (JobQueued, JobRejected)
 
 PROJECTED: dict[str, type[BaseModel]] = {
     topics.JOB_QUEUED: JobQueued,
@@ -87,27 +91,47 @@ class Projector:
         self.skipped = 0
         self.feed_dropped = 0  # live feed lines lost to Redis outages
 
-    async def _fold_early(
+    async def _first_heard(
         self,
         conn: asyncpg.Connection,
-        born: set[str],
-        early: list[tuple[Received, Any]],
+        about: dict[str, list[tuple[Received, Any]]],
         views: dict[str, JobView | None],
         changed: dict[str, JobView],
+        lines: list[EventLine],
     ) -> list[tuple[Received, Any]]:
-        """Fold into the views created in this batch the events about them read before (kept
-        in the store by an earlier batch, or earlier in this one), oldest first; returns the
-        early events still about jobs not heard of."""
-        pending = [(env, payload) for env, payload in await store.take_early(conn, born, PROJECTED)]
-        pending += [(got.envelope, p) for got, p in early if str(p.job_id) in born]
-        pending.sort(key=lambda item: item[0].occurred_at)
-        for env, payload in pending:
-            job_id = str(payload.job_id)
-            new, _line = project(views.get(job_id), env, payload)  # its line is stored already
-            if new is not None and new != views.get(job_id):
-                changed[job_id] = new
-            views[job_id] = new
-        return [(got, p) for got, p in early if str(p.job_id) not in born]
+        """This batch's events about jobs with no view yet. A job whose job.queued (or
+        job.rejected) is among them gets its view from the earliest such event, then every
+        other event about it, of this batch and kept from earlier ones, oldest first (so an
+        early placement is not folded after the preemption that ended it). Returns the events
+        about jobs still not heard of, to keep."""
+        born = {j for j, got in about.items() if any(isinstance(p, CREATING) for _, p in got)}
+        kept: dict[str, list[tuple[Envelope, Any, bool]]] = {}
+        if born:
+            taken, dropped = await store.take_early(conn, born, PROJECTED)
+            self.skipped += dropped
+            for env, payload in taken:
+                kept.setdefault(str(payload.job_id), []).append((env, payload, False))
+        still: list[tuple[Received, Any]] = []
+        for job_id in sorted(about):
+            if job_id not in born:
+                for got, payload in about[job_id]:
+                    lines.append(project(None, got.envelope, payload)[1])
+                    still.append((got, payload))  # kept until the job is heard of
+                continue
+            events = [(got.envelope, p, True) for got, p in about[job_id]]
+            first = min(
+                (e for e in events if isinstance(e[1], CREATING)), key=lambda e: e[0].occurred_at
+            )
+            rest = [e for e in events if e is not first] + kept.get(job_id, [])
+            rest.sort(key=lambda e: e[0].occurred_at)
+            for env, payload, fresh in [first, *rest]:
+                new, line = project(views.get(job_id), env, payload)
+                if fresh:
+                    lines.append(line)  # a kept event's line was stored when it was read
+                if new is not None and new != views.get(job_id):
+                    changed[job_id] = new
+                views[job_id] = new
+        return still
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> list[OutMessage]:
         """Project the records; returns the dead letters the gateway owes (for the topics no
@@ -129,21 +153,21 @@ class Projector:
                 views.update(await store.lock_unknown(conn, unknown))
                 unknown -= views.keys()
             changed: dict[str, JobView] = {}
-            early: list[tuple[Received, Any]] = []
+            first_heard: dict[str, list[tuple[Received, Any]]] = {}
             for got, payload in items:
                 job_id = str(payload.job_id)
+                if job_id in unknown:
+                    first_heard.setdefault(job_id, []).append((got, payload))
+                    continue
                 new, line = project(views.get(job_id), got.envelope, payload)
                 lines.append(line)
-                if new is None:
-                    early.append((got, payload))  # about a job not heard of yet: kept for later
-                elif new != views.get(job_id):
+                if new is not None and new != views.get(job_id):
                     changed[job_id] = new
                 views[job_id] = new
-            born = {j for j in unknown if views.get(j) is not None}
-            if born:
-                early = await self._fold_early(conn, born, early, views, changed)
-            if early:
-                await store.keep_early(conn, early)
+            if first_heard:
+                early = await self._first_heard(conn, first_heard, views, changed, lines)
+                if early:
+                    await store.keep_early(conn, early)
             fresh = await store.claim_lines(conn, lines)
             # Replaying an event changes nothing, but only fresh ones are announced.
             await store.upsert_views(conn, list(changed.values()))

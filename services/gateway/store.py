@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import asyncpg
-from pydantic import BaseModel
+import structlog
+from pydantic import BaseModel, ValidationError
 
 from schemas.envelope import Envelope
 from schemas.job import JobSpec, JobState
 from services.common.db import migrate
 from services.common.deadletter import Received
 from services.gateway.projection import EventLine, JobView, Placement
+
+log = structlog.get_logger()
 
 SCHEMA = "gateway"
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -93,14 +97,15 @@ async def lock_unknown(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict
 
 
 # Events about jobs not heard of are dropped after this long (another producer's stray ids).
-EARLY_EVENTS_KEPT = "1 day"
+EARLY_EVENTS_KEPT = timedelta(days=1)
 
 
 async def keep_early(conn: asyncpg.Connection, early: Sequence[tuple[Received, Any]]) -> None:
-    """Keep lifecycle events read before their job's view exists (see 011_early_events.sql)."""
+    """Keep lifecycle events read before their job's view exists (see 011_early_events.sql),
+    as their envelopes were decoded (upcast to this version), and drop those kept too long."""
     await conn.execute(
-        "DELETE FROM gateway.early_events"
-        f" WHERE received_at < now() - interval '{EARLY_EVENTS_KEPT}'"
+        "DELETE FROM gateway.early_events WHERE received_at < now() - $1::interval",
+        EARLY_EVENTS_KEPT,
     )
     await conn.execute(
         "INSERT INTO gateway.early_events (event_id, job_id, topic, value) SELECT * FROM"
@@ -108,23 +113,30 @@ async def keep_early(conn: asyncpg.Connection, early: Sequence[tuple[Received, A
         [got.envelope.event_id for got, _ in early],
         [str(p.job_id) for _, p in early],
         [got.record.topic for got, _ in early],
-        [got.record.value for got, _ in early],
+        [got.envelope.model_dump_json().encode() for got, _ in early],
     )
 
 
 async def take_early(
     conn: asyncpg.Connection, job_ids: Iterable[str], models: Mapping[str, type[BaseModel]]
-) -> list[tuple[Envelope, Any]]:
-    """Remove and return the kept events about these jobs, decoded as they were when read."""
+) -> tuple[list[tuple[Envelope, Any]], int]:
+    """Remove and return the kept events about these jobs, and how many could not be read
+    again (kept by another version of the gateway; dropped, with a warning)."""
     rows = await conn.fetch(
-        "DELETE FROM gateway.early_events WHERE job_id = ANY($1::text[]) RETURNING topic, value",
+        "DELETE FROM gateway.early_events WHERE job_id = ANY($1::text[])"
+        " RETURNING event_id, topic, value",
         sorted(job_ids),
     )
-    taken = []
+    taken: list[tuple[Envelope, Any]] = []
+    dropped = 0
     for r in rows:
-        env = Envelope.model_validate_json(r["value"])
-        taken.append((env, models[r["topic"]].model_validate(env.payload)))
-    return taken
+        try:
+            env = Envelope.model_validate_json(r["value"])
+            taken.append((env, models[r["topic"]].model_validate(env.payload)))
+        except (ValidationError, KeyError) as exc:
+            dropped += 1
+            log.warning("kept event unreadable, dropped", event_id=r["event_id"], error=str(exc))
+    return taken, dropped
 
 
 async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> None:

@@ -272,6 +272,7 @@ def requeue(
         requeue_of_attempt=ended,
         excluded_nodes=list(excluded),
         not_before=not_before,
+        queued_at=env.occurred_at,
     )
     step.emits.append(
         OutMessage(

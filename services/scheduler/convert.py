@@ -45,6 +45,7 @@ def job_request(event: JobQueued, time_scale: float = 1.0) -> JobRequest:
         topology_required=spec.topology.required,
         preemptible=spec.preemptible,
         submit_time=event.submitted_at.timestamp() * time_scale,
+        queued_time=None if event.queued_at is None else event.queued_at.timestamp() * time_scale,
         max_runtime_s=spec.max_runtime_s,
         excluded_nodes=frozenset(NodeId(n) for n in event.excluded_nodes),
         # The replicas of one inference service are kept apart (docs/serving.md).

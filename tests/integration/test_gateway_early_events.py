@@ -18,7 +18,13 @@ from redis.asyncio import Redis
 
 from schemas import topics
 from schemas.envelope import Envelope
-from schemas.events import JobQueued, JobStarted, PlacementDecided, ReplicaAssignment
+from schemas.events import (
+    JobPreempted,
+    JobQueued,
+    JobStarted,
+    PlacementDecided,
+    ReplicaAssignment,
+)
 from schemas.job import JobSpec, JobState
 from services.common.db import create_pool
 from services.gateway import store
@@ -68,6 +74,13 @@ def placed(job_id: str) -> object:
 def started(job_id: str) -> object:
     run = JobStarted(job_id=job_id, attempt=1, cluster="c1", nodes=["n0"], started_at=T0)
     return rec(topics.JOB_STARTED, run, 9, job_id)
+
+
+def preempted(job_id: str) -> object:
+    stop = JobPreempted(
+        job_id=job_id, attempt=1, cluster="c1", reason_code="preempted_for_priority", message="m"
+    )
+    return rec(topics.JOB_PREEMPTED, stop, 30, job_id)
 
 
 @pytest.fixture
@@ -148,3 +161,41 @@ async def test_events_about_jobs_never_heard_of_are_dropped_after_a_day(
     await pool.execute("UPDATE gateway.early_events SET received_at = now() - interval '25 hours'")
     await projector.process((started("j-other"),))  # type: ignore[arg-type]
     assert await kept(pool) == ["j-other"]
+
+
+async def test_an_early_event_is_folded_in_its_time_not_after_the_batch(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    """[placement, job.queued, job.preempted] in one batch: the job is queued again with its
+    run ended, not left placed (holding devices) by a placement folded in last."""
+    pool, redis = rig
+    projector = Projector(pool, redis)
+    await projector.process((placed("j-order"), queued("j-order"), preempted("j-order")))  # type: ignore[arg-type]
+    row = await pool.fetchrow(
+        "SELECT state, ended_attempt FROM gateway.jobs WHERE job_id = 'j-order'"
+    )
+    assert row is not None and (row["state"], row["ended_attempt"]) == ("queued", 1)
+    # The same with the placement kept from an earlier batch.
+    await projector.process((placed("j-order2"),))  # type: ignore[arg-type]
+    await projector.process((queued("j-order2"), preempted("j-order2")))  # type: ignore[arg-type]
+    row = await pool.fetchrow(
+        "SELECT state, ended_attempt FROM gateway.jobs WHERE job_id = 'j-order2'"
+    )
+    assert row is not None and (row["state"], row["ended_attempt"]) == ("queued", 1)
+
+
+async def test_a_kept_event_that_cannot_be_read_again_is_dropped_not_fatal(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    pool, redis = rig
+    projector = Projector(pool, redis)
+    await pool.execute(
+        "INSERT INTO gateway.early_events (event_id, job_id, topic, value)"
+        " VALUES ('bad-1', 'j-bad', $1, $2)",
+        topics.JOB_STARTED,
+        b'{"not": "an envelope"}',
+    )
+    await projector.process((placed("j-bad"), queued("j-bad")))  # type: ignore[arg-type]
+    row = await view(pool, "j-bad")
+    assert row is not None and row["state"] == JobState.PLACED.value
+    assert await kept(pool) == [] and projector.skipped == 1

@@ -11,3 +11,4 @@ CREATE TABLE early_events (
     received_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX early_events_job ON early_events (job_id);
+CREATE INDEX early_events_received ON early_events (received_at);

@@ -119,3 +119,39 @@ def test_the_fast_path_repacks_alike() -> None:
     b = decide(fast, REPACK, NOW, explain_pending=False)
     assert a.preemptions == b.preemptions and a.placements == b.placements
     assert a.pending[JobId("whole")].codes[-1] is ReasonCode.AWAITING_PREEMPTION
+
+
+def test_room_held_for_a_gang_or_a_strict_line_is_not_repacked_for() -> None:
+    """A gang's reservation holds n0, n1 and n4 (the whole free node n4 among them): the job
+    behind it misses on the hold, not on scattered room, and moving `a` would not let it
+    start. Under strict FIFO only the head of the line may start, so only it is repacked for
+    (the 16-GPU head cannot be: 8 are free)."""
+    held = replace(REPACK, backfill=replace(REPACK.backfill, min_reserved_accelerators=16))
+    busy = [
+        running(job(4, job_id="a"), "c1-n-0000"),
+        running(job(4, job_id="b"), "c1-n-0001"),
+        running(job(8, job_id="c"), "c1-n-0002"),
+        running(job(8, job_id="d"), "c1-n-0003"),
+    ]
+    waiting = [job(8, replicas=3, job_id="G", submit=0), job(8, job_id="T", submit=1)]
+    assert cycle(5, busy, waiting, held)[0] == []
+    fifo = Policy.from_dict(
+        {"backfill": {"mode": "off"}, "preemption": {"repack": True, "repack_after_s": 1800}}
+    )
+    two = busy[:2]
+    assert cycle(2, two, [job(8, job_id="whole", submit=0)], fifo)[0] == [
+        ("whole", [("a", ReasonCode.REPACKED)])
+    ]
+    blocked = [job(8, replicas=2, job_id="head", submit=0), job(8, job_id="whole", submit=1)]
+    assert cycle(2, two, blocked, fifo)[0] == []
+
+
+def test_the_wait_counts_from_the_last_time_the_job_went_back_to_the_queue() -> None:
+    busy = [
+        running(job(4, job_id="a"), "c1-n-0000"),
+        running(job(4, job_id="b"), "c1-n-0001"),
+    ]
+    requeued = replace(job(8, job_id="whole", submit=0), queued_time=NOW - 60)
+    assert cycle(2, busy, [requeued])[0] == []
+    waited = replace(requeued, queued_time=NOW - 3600)
+    assert cycle(2, busy, [waited])[0] == [("whole", [("a", ReasonCode.REPACKED)])]
