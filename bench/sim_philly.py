@@ -94,7 +94,7 @@ def tenants(quota_run: Comparison, name: str = "default") -> dict[str, dict[str,
     s = quota_run.summaries[name]
     print(
         f"  {name} with quotas: avg JCT {s['avg_jct_s']:.0f} s, util(backlog) "
-        f"{s['utilization_backlog']:.3f}, preemptions {s['preemptions']} (reclaim), "
+        f"{s['utilization_backlog']:.3f}, preemptions {s['preemptions']} (all reasons), "
         f"overcommit {s['overcommit']}, wall {s['wall_s']:.1f} s"
     )
     print("  tenant   entitled  demand  held while waiting  (hours waiting)")
