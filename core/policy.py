@@ -428,7 +428,7 @@ def _fields(raw: Any, where: str, keys: set[str]) -> dict[str, Any]:
         if isinstance(value, bool | str):
             out[key] = value
         elif isinstance(value, int | float):
-            out[key] = float(value) if not key.startswith("max_") else _int(value, key)
+            out[key] = float(value) if not key.startswith("max_") else _int(value, f"{where}.{key}")
         else:
             raise PolicyError(f"{where}.{key}: expected a number, boolean or name, got {value!r}")
     return out
@@ -467,7 +467,13 @@ def _num(value: Any, where: str) -> float:
 
 
 def _int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    # A NaN or an infinity is no integer (and int() of one raises a bare ValueError).
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
         raise PolicyError(f"{where}: expected an integer, got {value!r}")
     return int(value)
 

@@ -38,6 +38,14 @@ def test_example_policy_exposes_what_the_queue_validates() -> None:
         ({"default_priority_class": "nope"}, "default_priority_class"),
         ({"shedule": {}}, "unknown section"),
         ({"las": {"thresholds": [10, 5]}}, "las.thresholds"),
+        # A NaN would make a guard that never fires; it is refused by name, as is any number
+        # a preemption knob cannot hold.
+        ({"preemption": {"min_runtime_s": float("nan")}}, "preemption.min_runtime_s"),
+        ({"preemption": {"repack_after_s": float("inf")}}, "preemption.repack_after_s"),
+        ({"preemption": {"grace_cap_s": -1}}, "preemption.grace_cap_s"),
+        ({"preemption": {"max_victims": float("nan")}}, "preemption.max_victims"),
+        ({"preemption": {"repack": "yes"}}, "preemption.repack"),
+        ({"preemption": {"enabled": 1}}, "preemption.enabled"),
     ],
 )
 def test_bad_policy_names_the_key(doc: dict[str, object], fragment: str) -> None:
