@@ -109,7 +109,7 @@ def find_placement(
 ) -> Plan | Miss:
     """The best plan for `job` on the current free capacity, or why there is none (see
     `explain_miss` for `precise`)."""
-    idx = _usable_candidates(cap, job, prefs, blocked_holds)
+    idx = usable_candidates(cap, job, prefs, blocked_holds)
     if idx.size == 0:
         return _miss_without_candidates(cap, job, prefs, blocked_holds)
     slots = cap.slots(idx, job.accelerators, job.cpu, job.memory_gb)
@@ -124,9 +124,11 @@ def _spot_ok(job: JobRequest, prefs: PlacementPreferences) -> bool:
     return job.preemptible or not prefs.spot_for_preemptible_only
 
 
-def _usable_candidates(
+def usable_candidates(
     cap: Capacity, job: JobRequest, prefs: PlacementPreferences, blocked_holds: frozenset[int]
 ) -> IntArray:
+    """Nodes `job` may use: of its types and memory, spot only if allowed, none it must
+    avoid, none held by a reservation in `blocked_holds`."""
     idx = cap.candidates(job.accelerator_types, job.accelerator_memory_gb, _spot_ok(job, prefs))
     if job.excluded_nodes:
         excluded = np.array(
@@ -309,7 +311,7 @@ def _types_word(job: JobRequest) -> str:
 def _miss_without_candidates(
     cap: Capacity, job: JobRequest, prefs: PlacementPreferences, blocked_holds: frozenset[int]
 ) -> Miss:
-    if blocked_holds and _usable_candidates(cap, job, prefs, frozenset()).size > 0:
+    if blocked_holds and usable_candidates(cap, job, prefs, frozenset()).size > 0:
         return Miss(
             ReasonCode.CAPACITY_RESERVED,
             f"the matching {_types_word(job)} nodes are held for a larger waiting gang",

@@ -22,7 +22,7 @@ from dataclasses import replace
 from core.capacity import EPS, Capacity
 from core.decisions import PreemptionDecision, Victim
 from core.model import Allocation, JobId, JobRequest, NodeId
-from core.placement import Plan, commit, find_placement
+from core.placement import Plan, commit, find_placement, usable_candidates
 from core.policy import Policy
 from core.preemption import lost_work
 from core.reasons import ReasonCode
@@ -42,17 +42,15 @@ def repack(
     unavailable: frozenset[JobId] | set[JobId],
     policy: Policy,
     now: float,
-    holds: Holds = (frozenset(), frozenset()),
+    holds: Holds,
 ) -> PreemptionDecision | None:
     """Running jobs to move so that `job` (admitted on `types`) fits now, with every one of
     them fitting again elsewhere; None when no such small set exists. `unavailable` names jobs
     that may not move (already leaving, protected, or chosen as victims in this cycle).
     `holds`: the cycle's reservations `job` may not use, and all of them (a moved job is
     never counted on to backfill one)."""
-    spot_ok = job.preemptible or not policy.placement.spot_for_preemptible_only
-    idx = cap.candidates(tuple(types), job.accelerator_memory_gb, spot_ok)
-    for number in holds[0]:
-        idx = idx[cap.held[idx] != number]
+    target = replace(job, accelerator_types=tuple(types))
+    idx = usable_candidates(cap, target, policy.placement, holds[0])
     if idx.size == 0 or job.accelerators <= 0:
         return None
     free = cap.free_accelerators(idx)
@@ -96,7 +94,6 @@ def repack(
             options.append((cost, node, chosen))
     options.sort(key=lambda o: (o[0], o[1]))
 
-    target = replace(job, accelerator_types=tuple(types))
     tried = [chosen for _cost, _node, chosen in options[:NODES_TRIED]]
     if job.replicas == 1:
         # One node's small jobs make the room: each node on its own, cheapest first.

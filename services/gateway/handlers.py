@@ -144,10 +144,9 @@ class Projector:
             return owed
         lines: list[EventLine] = []
         async with self.pool.acquire() as conn, conn.transaction():
-            views: dict[str, JobView | None] = dict(
-                await store.lock_views(conn, {str(p.job_id) for _, p in items})
-            )
-            unknown = {str(p.job_id) for _, p in items} - views.keys()
+            ids = {str(p.job_id) for _, p in items}
+            views: dict[str, JobView | None] = dict(await store.lock_views(conn, ids))
+            unknown = ids - views.keys()
             if unknown:
                 # Another replica may be creating one of them, or keeping early events for it.
                 views.update(await store.lock_unknown(conn, unknown))
