@@ -1,5 +1,5 @@
 """Submit -> placement.decided through the real running stack: latency at a fixed offered
-rate, then the sustained rate under overload.
+rate, then the sustained rate under overload; and what the stack costs with nothing to do.
 
 Uses the running stack when QM_KAFKA_BOOTSTRAP (and QM_GATEWAY_URL for --via rest) are set;
 otherwise starts the whole platform as processes in a temporary directory and stops it after.
@@ -9,8 +9,9 @@ otherwise starts the whole platform as processes in a temporary directory and st
     python bench/e2e_throughput.py --profile DIR   # and py-spy every process during the burst
 
 When the bench starts the stack itself it also reports CPU seconds per 1,000 jobs for every
-process (each service, the broker, PostgreSQL) in both phases; with --profile, the top frames
-of each service (bench/cpu.py) are printed and written to DIR/summary.txt.
+process (each service, the broker, PostgreSQL) in both phases, and the cores each keeps busy
+while nothing is submitted (`idle_cores`; polling the broker is most of it); with --profile,
+the top frames of each service (bench/cpu.py) are printed and written to DIR/summary.txt.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from schemas.envelope import Envelope
 from schemas.ids import new_id
 
 TENANTS = ("vision", "nlp", "speech")
+IDLE_SETTLE_S = 8.0  # quiet before the idle reading: the warm-up's runs end, consumers settle
 TOKENS = {"vision": "dev-vision", "nlp": "dev-nlp", "speech": "dev-speech"}
 
 
@@ -203,6 +205,15 @@ def cpu_report(phase: str, used: dict[str, float], jobs: int) -> dict[str, float
     return {**per, "total": total}
 
 
+def idle_report(used: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores each process keeps busy with nothing submitted."""
+    per = {name: round(s / seconds, 3) for name, s in used.items()}
+    total = round(sum(per.values()), 3)
+    parts = ", ".join(f"{n} {v:.3f}" for n, v in sorted(per.items(), key=lambda kv: -kv[1]))
+    print(f"idle for {seconds:.0f} s: {total:.3f} cores in all ({parts})")
+    return {**per, "total": total}
+
+
 async def measure(
     bootstrap: str, gateway: str | None, args: argparse.Namespace, pids: dict[str, int]
 ) -> dict[str, Any]:
@@ -220,6 +231,15 @@ async def measure(
 
             cpu: dict[str, dict[str, float]] = {}
             meter = CpuMeter(pids)
+            idle: dict[str, float] = {}
+            if pids and args.idle_s > 0:
+                # Nothing submitted, once the warm-up's jobs are through: what polling,
+                # heartbeats and clocks cost at every rate. (After the burst the gateway and
+                # PostgreSQL are still catching up for tens of seconds.)
+                await asyncio.sleep(IDLE_SETTLE_S)
+                meter.start()
+                await asyncio.sleep(args.idle_s)
+                idle = idle_report(meter.stop(), args.idle_s)
             fixed: dict[str, float] = {}
             count = int(args.rate * args.seconds)
             meter.start()
@@ -275,6 +295,7 @@ async def measure(
         "overall_jobs_per_s": round(overall, 1),
         "queued_per_s": round(queued_rate, 1),
         "cpu_s_per_1000_jobs": cpu,
+        "idle_cores": idle,
     }
 
 
@@ -319,6 +340,12 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=8000, help="jobs in the overload phase")
     parser.add_argument("--burst-rate", type=float, default=2000.0)
     parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=10.0,
+        help="seconds of CPU reading with nothing submitted, after the warm-up (0: none)",
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", help="py-spy every service during the overload phase"
     )
     args = parser.parse_args()
@@ -329,6 +356,7 @@ def main() -> None:
         **describe(),
         "via": args.via,
         "fixed_seconds": args.seconds,
+        "idle_seconds": args.idle_s,
         "burst_jobs": args.burst,
         "burst_offered_per_s": args.burst_rate,
         "job": "1 accelerator, 30 virtual s, time scale 600",

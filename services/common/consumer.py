@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from services.common.deadletter import dead_letter, platform_alert
 from services.common.errors import Failure, classify, describe
 from services.common.kafka import OutMessage, publish_all, records_of
+from services.common.pacing import FetchPacer
 from services.common.settings import ServiceSettings
 
 log = structlog.get_logger()
@@ -301,7 +302,9 @@ class Consumers:
     ) -> None:
         """Consume `topic_names` in group `group_id`, tuned for Tansu (shared/INFRA.md)."""
         settings = self.settings
-        wait = fetch_max_wait_ms or settings.fetch_max_wait_ms
+        pacer = self.pacer(fetch_max_wait_ms or settings.fetch_max_wait_ms)
+        # Start quiet: a backlog is there at the first fetch, and the first batch makes it busy.
+        wait = pacer.wait_ms
         subscriber = self.broker.subscriber(
             *topic_names,
             batch=True,
@@ -321,12 +324,24 @@ class Consumers:
 
         async def on_batch(message: KafkaMessage) -> None:
             records = records_of(message)
+            if records:
+                pacer.saw_records(message.consumer, subscriber)
             await group.run(records)
             self.committer.add(message.consumer, records)
             lag.note(message.consumer, records)
 
         on_batch.__name__ = f"on_{group_id.replace('-', '_')}"
         subscriber(on_batch)
+
+    def pacer(self, busy_ms: int) -> FetchPacer:
+        """A pacer for a consumer of this service that polls every `busy_ms` while busy."""
+        settings = self.settings
+        return FetchPacer(
+            busy_ms,
+            factor=settings.fetch_idle_factor,
+            max_ms=settings.fetch_idle_max_ms,
+            quiet_s=settings.fetch_idle_after_s,
+        )
 
     def group(self, group_id: str, handle: BatchHandler, give_up: GiveUp | None = None) -> Group:
         """The failure handling of one group without a subscription (tests, replays)."""

@@ -25,6 +25,12 @@ class ServiceSettings(BaseSettings):
     log_level: str = "INFO"
     # Tansu answers a waiting fetch only at its deadline, so this is the per-hop latency floor.
     fetch_max_wait_ms: int = 10
+    # A consumer that has read nothing for `fetch_idle_after_s` polls `fetch_idle_factor` times
+    # less often (at most every `fetch_idle_max_ms`) until its next record (common/pacing.py):
+    # idle polling was most of an idle broker's CPU. A factor of 1 turns this off.
+    fetch_idle_factor: int = Field(default=5, ge=1)
+    fetch_idle_max_ms: int = Field(default=500, ge=1)
+    fetch_idle_after_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     max_batch_records: int = 500
     # A consumer whose batch has failed (retryably) for this long raises one alert.raised
     # (cause consumer_stalled); it goes on retrying with backoff either way.

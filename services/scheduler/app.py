@@ -59,6 +59,9 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         cold_fetch_max_wait_ms=settings.cold_fetch_max_wait_ms,
         metrics=ConsumerMetrics(runtime.registry),
         name=f"{NAME}-feed",
+        idle_factor=settings.fetch_idle_factor,
+        idle_max_ms=settings.fetch_idle_max_ms,
+        quiet_s=settings.fetch_idle_after_s,
     )
     working = WorkingSet(verify_every=settings.working_set_check_every)
     cycle = Cycle(

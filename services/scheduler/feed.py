@@ -24,6 +24,7 @@ from aiokafka.errors import OffsetOutOfRangeError
 
 from schemas.topics import JOB_QUEUED
 from services.common.consumer import ConsumerMetrics, LagBook
+from services.common.pacing import FetchPacer
 
 log = structlog.get_logger()
 
@@ -55,6 +56,9 @@ class Feed:
         cold_fetch_max_wait_ms: int | None = None,
         metrics: ConsumerMetrics | None = None,
         name: str = "scheduler-feed",
+        idle_factor: int = 1,
+        idle_max_ms: int = 500,
+        quiet_s: float = 5.0,
     ) -> None:
         self._apply = apply
         self._metrics = metrics
@@ -69,6 +73,11 @@ class Feed:
         # Named in the consumer metrics ("group" label; no Kafka group is used) by this.
         self._name = name
         self._consumers: list[Any] = []
+        # Each consumer polls slowly once its topics are quiet (common/pacing.py).
+        self._pacers = [
+            FetchPacer(w, factor=idle_factor, max_ms=idle_max_ms, quiet_s=quiet_s)
+            for w in self._waits
+        ]
         self._owner: dict[TopicPartition, Any] = {}
         self._targets: dict[TopicPartition, int] = {}
         self._marks: dict[tuple[str, int], Mark] = {}
@@ -84,16 +93,17 @@ class Feed:
         partitions in `resume` (a snapshot's marks), from where the snapshot left off."""
         resume = resume or {}
         # aiokafka binds to the running loop, so the consumers are made here, not in __init__.
-        for topics, wait in zip(self._groups, self._waits, strict=True):
+        for topics, pacer in zip(self._groups, self._pacers, strict=True):
             consumer = AIOKafkaConsumer(
                 bootstrap_servers=self._bootstrap,
                 enable_auto_commit=False,
                 auto_offset_reset="earliest",
-                fetch_max_wait_ms=wait,
+                fetch_max_wait_ms=pacer.busy_ms,
                 max_partition_fetch_bytes=4 << 20,
             )
             await consumer.start()
             self._consumers.append(consumer)
+            pacer.attach(consumer, quiet=False)  # it has the log to read first
             partitions: list[TopicPartition] = []
             for topic in topics:
                 ids = consumer.partitions_for_topic(topic)
@@ -121,17 +131,18 @@ class Feed:
     def set_fetch_wait(self, ms: int, cold_ms: int | None = None) -> None:
         """How long the broker may hold each fetch when there is nothing new (Tansu answers
         only at that deadline): short while leading, long while standing by. `cold_ms` for
-        the second consumer (default: `ms`). aiokafka reads the value for every fetch it
-        sends and offers no public setter."""
-        for i, consumer in enumerate(self._consumers):
-            wait = cold_ms if i == self._cold and cold_ms is not None else ms
-            consumer._fetcher._fetch_max_wait_ms = wait
+        the second consumer (default: `ms`). These are the busy waits: a consumer whose
+        topics are quiet polls more slowly until its next record (common/pacing.py)."""
+        for i, pacer in enumerate(self._pacers):
+            pacer.set_busy_ms(cold_ms if i == self._cold and cold_ms is not None else ms)
 
     def partitions_of(self, topics: tuple[str, ...]) -> list[tuple[str, int]]:
         """(topic, partition) of every partition of `topics` we read."""
         return sorted((tp.topic, tp.partition) for tp in self._owner if tp.topic in topics)
 
     async def stop(self) -> None:
+        for pacer in self._pacers:
+            pacer.close()
         for consumer in self._consumers:
             await consumer.stop()
 
@@ -169,17 +180,22 @@ class Feed:
         """Read and apply, each consumer in its own loop (one event loop: batches are applied
         one at a time, whole)."""
         await asyncio.gather(
-            *(self._run(c, self._name_of(i)) for i, c in enumerate(self._consumers))
+            *(
+                self._run(c, self._name_of(i), self._pacers[i])
+                for i, c in enumerate(self._consumers)
+            )
         )
 
     def _name_of(self, index: int) -> str:
         return f"{self._name}-{'cold' if index == self._cold else 'hot'}"
 
-    async def _run(self, consumer: Any, name: str) -> None:
+    async def _run(self, consumer: Any, name: str, pacer: FetchPacer) -> None:
         lag = LagBook(self._metrics.lag, name) if self._metrics is not None else None
         while True:
             batches = await consumer.getmany(timeout_ms=200, max_records=5000)
             started = time.monotonic()
+            if any(batches.values()):
+                pacer.saw_records()
             for tp, records in batches.items():
                 if records:
                     self._apply(records)

@@ -29,6 +29,7 @@ from schemas.bounds import parse_json
 from schemas.envelope import Envelope
 from schemas.robots import RobotDesired, RobotInventory
 from services.common.kafka import OutMessage, envelope_for, make_broker, publish_all
+from services.common.pacing import FetchPacer
 from services.common.policyfile import read_yaml
 from services.common.runtime import Runtime, create_http_app
 from services.common.settings import ServiceSettings
@@ -97,6 +98,14 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
             fetch_max_wait_ms=250,
         )
         await consumer.start()
+        # Desired state changes seldom: poll slowly while it does not (common/pacing.py).
+        pacer = FetchPacer(
+            250,
+            factor=settings.fetch_idle_factor,
+            max_ms=settings.fetch_idle_max_ms,
+            quiet_s=settings.fetch_idle_after_s,
+        )
+        pacer.attach(consumer, quiet=False)
         try:
             parts = [
                 TopicPartition(topics.ROBOT_DESIRED, p)
@@ -107,6 +116,8 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
             ends = await consumer.end_offsets(parts)
             while True:
                 batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+                if any(batches.values()):
+                    pacer.saw_records()
                 for records in batches.values():
                     for record in records:
                         take(record.value)
@@ -116,6 +127,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
                         caught_up.set()
                         log.info("desired state read", robots=len(robots))
         finally:
+            pacer.close()
             await consumer.stop()
 
     async def run_robots() -> None:

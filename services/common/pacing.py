@@ -1,0 +1,97 @@
+"""How often a consumer asks the broker for records: fast while records flow, slowly once its
+partitions have been quiet for a while.
+
+Tansu answers a fetch with no data only at its `fetch_max_wait_ms` deadline, so that wait is
+a consumer's polling period, and every poll costs the broker in proportion to the partitions
+it names (shared/INFRA.md; docs/performance.md "Idle consumers"). A stack of twenty consumers
+polling every 10-100 ms kept the broker about two thirds of a core busy with nothing to do.
+A pacer lengthens the wait of a consumer that has seen no record for `quiet_s` to
+`idle_wait(busy, factor, max)` and restores the short one with the first record it sees: the
+first record after a quiet spell waits up to the long wait, the ones after it do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+def idle_wait(busy_ms: int, factor: int, max_ms: int) -> int:
+    """The wait of a quiet consumer: `factor` times its busy wait, at most `max_ms`, and never
+    shorter than the busy wait itself (a factor of 1 turns pacing off)."""
+    return max(busy_ms, min(busy_ms * max(factor, 1), max_ms))
+
+
+class FetchPacer:
+    """Keeps one consumer's fetch wait at `busy_ms` while records arrive and at the idle wait
+    once none has for `quiet_s`. `saw_records` is called with every non-empty batch; the
+    consumer (aiokafka) and, for a FastStream batch subscriber, the subscriber (whose
+    `batch_timeout_ms` paces its own loop) are learnt from the first batch or `attach`."""
+
+    def __init__(self, busy_ms: int, *, factor: int, max_ms: int, quiet_s: float) -> None:
+        self.factor = factor
+        self.max_ms = max_ms
+        self.quiet_s = quiet_s
+        self.busy_ms = busy_ms
+        self.idle_ms = idle_wait(busy_ms, factor, max_ms)
+        self.quiet = True
+        self._consumer: Any = None
+        self._subscriber: Any = None
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def wait_ms(self) -> int:
+        """The wait the consumer should have now."""
+        return self.idle_ms if self.quiet else self.busy_ms
+
+    def attach(self, consumer: Any, subscriber: Any = None, *, quiet: bool = True) -> None:
+        """Pace `consumer` from now on, starting quiet (or busy, for a reader that must catch
+        up at once)."""
+        self._consumer, self._subscriber = consumer, subscriber
+        self.quiet = True
+        if quiet:
+            self._apply()
+        else:
+            self.saw_records()  # busy now; quiet once `quiet_s` passes without records
+
+    def set_busy_ms(self, busy_ms: int) -> None:
+        """A new busy wait (a scheduler replica taking or leaving the lead)."""
+        self.busy_ms = busy_ms
+        self.idle_ms = idle_wait(busy_ms, self.factor, self.max_ms)
+        self._apply()
+
+    def saw_records(self, consumer: Any = None, subscriber: Any = None) -> None:
+        if self._consumer is None and consumer is not None:
+            self._consumer, self._subscriber = consumer, subscriber
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        if self.quiet:
+            self.quiet = False
+            self._apply()
+        if self._timer is None and self.idle_ms > self.busy_ms:
+            self._timer = loop.call_later(self.quiet_s, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        left = self._last + self.quiet_s - loop.time()
+        if left > 0:  # records came since the timer was set: look again when they would be old
+            self._timer = loop.call_later(left, self._check)
+            return
+        self.quiet = True
+        self._apply()
+
+    def _apply(self) -> None:
+        wait = self.wait_ms
+        # aiokafka reads the wait for every fetch it sends and has no public setter.
+        fetcher = getattr(self._consumer, "_fetcher", None)
+        if fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
+            fetcher._fetch_max_wait_ms = wait
+        if self._subscriber is not None and hasattr(self._subscriber, "batch_timeout_ms"):
+            self._subscriber.batch_timeout_ms = wait

@@ -1,0 +1,117 @@
+"""Pacing on the real broker: a service consumer starts quiet (its long wait on the aiokafka
+fetcher and the FastStream subscriber), is busy (its short wait) when it handles a record,
+and quiet again once none came for `fetch_idle_after_s`; the scheduler feed's consumers too."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from services.common.consumer import Consumers, Records
+from services.common.kafka import make_broker
+from services.common.settings import ServiceSettings
+from services.scheduler.feed import Feed
+from tests.integration.kafka_tools import produce
+
+pytestmark = pytest.mark.integration
+
+
+async def fresh_topic(bootstrap: str) -> str:
+    name = f"pacing-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, 2, 1)])
+    finally:
+        await admin.close()
+    return name
+
+
+async def eventually(check: Any, timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_service_consumer_polls_fast_only_while_records_come(topics_ready: str) -> None:
+    topic = await fresh_topic(topics_ready)
+    settings = ServiceSettings(
+        kafka_bootstrap=topics_ready,
+        fetch_max_wait_ms=20,
+        fetch_idle_factor=10,
+        fetch_idle_max_ms=300,
+        fetch_idle_after_s=0.5,
+    )
+    broker = make_broker(settings, "pacing-test")
+    consumers = Consumers(broker, settings, service="pacing-test")
+    seen: list[tuple[bytes, int, int]] = []
+    subscriber: list[Any] = []
+
+    async def handle(records: Records) -> None:
+        # What the consumer and its subscriber were told while this batch is handled.
+        sub = subscriber[0]
+        for r in records:
+            seen.append((r.value, sub.consumer._fetcher._fetch_max_wait_ms, sub.batch_timeout_ms))
+
+    consumers.subscribe(topic, group_id=f"{topic}-g", handle=handle)
+    subscriber.append(broker.subscribers[-1])
+    await broker.start()
+    try:
+        sub = subscriber[0]
+        await eventually(lambda: getattr(sub, "consumer", None) is not None)
+        # Quiet from the start: nothing to read yet.
+        assert sub.consumer._fetcher._fetch_max_wait_ms == 200
+        assert sub.batch_timeout_ms == 200
+        await produce(topics_ready, topic, [("k", b"first")])
+        await eventually(lambda: len(seen) == 1)
+        assert seen[0] == (b"first", 20, 20)
+        # Nothing more: back to the long wait.
+        await eventually(lambda: sub.consumer._fetcher._fetch_max_wait_ms == 200)
+        assert sub.batch_timeout_ms == 200
+        await produce(topics_ready, topic, [("k", b"second")])
+        await eventually(lambda: len(seen) == 2)
+        assert seen[1] == (b"second", 20, 20)
+    finally:
+        await broker.stop()
+
+
+async def test_the_scheduler_feed_paces_each_consumer(topics_ready: str) -> None:
+    topic = await fresh_topic(topics_ready)
+    applied: list[tuple[bytes, int]] = []
+
+    def apply(records: list[Any]) -> None:
+        wait = feed._consumers[0]._fetcher._fetch_max_wait_ms
+        applied.extend((r.value, wait) for r in records)
+
+    feed = Feed(
+        topics_ready,
+        (topic,),
+        20,
+        apply,
+        hot=(),
+        cold_fetch_max_wait_ms=30,
+        idle_factor=10,
+        idle_max_ms=300,
+        quiet_s=0.5,
+    )
+    await feed.start()
+    runner = asyncio.create_task(feed.run())
+    try:
+        fetcher = feed._consumers[0]._fetcher
+        # Busy from the start (it reads the log first), quiet once nothing comes.
+        await eventually(lambda: fetcher._fetch_max_wait_ms == 300)
+        await produce(topics_ready, topic, [("k", b"one")])
+        await eventually(lambda: applied == [(b"one", 30)])
+        feed.set_fetch_wait(250, 40)  # standing by: the new busy wait, quiet or not
+        await eventually(lambda: fetcher._fetch_max_wait_ms == 300)
+        await produce(topics_ready, topic, [("k", b"two")])
+        await eventually(lambda: applied == [(b"one", 30), (b"two", 40)])
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await feed.stop()

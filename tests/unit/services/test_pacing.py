@@ -1,0 +1,106 @@
+"""The fetch pacer: a consumer polls at its busy wait while records arrive, at the idle wait
+once none has for `quiet_s`, and at the busy wait again from the next record on."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.pacing import FetchPacer, idle_wait
+
+
+def fake_consumer(wait_ms: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(_fetcher=SimpleNamespace(_fetch_max_wait_ms=wait_ms))
+
+
+def waits(consumer: SimpleNamespace, subscriber: SimpleNamespace) -> tuple[int, int]:
+    return consumer._fetcher._fetch_max_wait_ms, subscriber.batch_timeout_ms
+
+
+@pytest.mark.parametrize(
+    ("busy", "factor", "cap", "expected"),
+    [
+        (10, 5, 500, 50),
+        (100, 5, 500, 500),
+        (250, 5, 500, 500),  # capped
+        (600, 5, 500, 600),  # never below the busy wait
+        (100, 1, 500, 100),  # a factor of 1: no pacing
+        (100, 0, 500, 100),  # a nonsense factor behaves as 1
+    ],
+)
+def test_idle_wait(busy: int, factor: int, cap: int, expected: int) -> None:
+    assert idle_wait(busy, factor, cap) == expected
+
+
+async def test_quiet_until_records_then_busy_then_quiet_again() -> None:
+    consumer, subscriber = fake_consumer(), SimpleNamespace(batch_timeout_ms=0)
+    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=0.05)
+    pacer.attach(consumer, subscriber)
+    assert waits(consumer, subscriber) == (50, 50)
+    pacer.saw_records()
+    assert waits(consumer, subscriber) == (10, 10)
+    assert not pacer.quiet
+    # The timer set at the records fires before a later, longer sleep ends.
+    await asyncio.sleep(0.3)
+    assert pacer.quiet
+    assert waits(consumer, subscriber) == (50, 50)
+    pacer.saw_records()
+    assert waits(consumer, subscriber) == (10, 10)
+    pacer.close()
+
+
+async def test_records_keep_it_busy() -> None:
+    consumer = fake_consumer()
+    pacer = FetchPacer(100, factor=5, max_ms=500, quiet_s=3600)
+    pacer.attach(consumer, quiet=False)  # a reader with a log to catch up: busy at once
+    assert consumer._fetcher._fetch_max_wait_ms == 100
+    for _ in range(3):
+        pacer.saw_records()
+        await asyncio.sleep(0)
+    assert not pacer.quiet
+    assert consumer._fetcher._fetch_max_wait_ms == 100
+    pacer.close()
+
+
+async def test_consumer_learnt_from_the_first_batch() -> None:
+    consumer, subscriber = fake_consumer(500), SimpleNamespace(batch_timeout_ms=500)
+    pacer = FetchPacer(100, factor=5, max_ms=500, quiet_s=3600)
+    assert pacer.wait_ms == 500  # what the subscription starts with
+    pacer.saw_records(consumer, subscriber)
+    assert waits(consumer, subscriber) == (100, 100)
+    pacer.close()
+
+
+async def test_a_new_busy_wait_applies_at_once_and_moves_the_idle_one() -> None:
+    consumer = fake_consumer()
+    pacer = FetchPacer(250, factor=5, max_ms=500, quiet_s=3600)
+    pacer.attach(consumer)
+    assert consumer._fetcher._fetch_max_wait_ms == 500
+    pacer.set_busy_ms(10)  # a standby takes the lead
+    assert consumer._fetcher._fetch_max_wait_ms == 50  # still quiet, at the new idle wait
+    pacer.saw_records()
+    assert consumer._fetcher._fetch_max_wait_ms == 10
+    pacer.set_busy_ms(250)  # and leaves it
+    assert consumer._fetcher._fetch_max_wait_ms == 250
+    pacer.close()
+
+
+async def test_a_factor_of_one_never_changes_the_wait() -> None:
+    consumer = fake_consumer()
+    pacer = FetchPacer(10, factor=1, max_ms=500, quiet_s=0.01)
+    pacer.attach(consumer)
+    pacer.saw_records()
+    await asyncio.sleep(0.1)
+    assert consumer._fetcher._fetch_max_wait_ms == 10
+    assert pacer._timer is None
+
+
+async def test_objects_without_the_knobs_are_left_alone() -> None:
+    """The in-memory test broker's consumer has no fetcher: pacing it does nothing."""
+    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
+    pacer.attach(object(), object())
+    pacer.saw_records()
+    assert pacer.wait_ms == 10
+    pacer.close()
