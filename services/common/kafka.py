@@ -8,7 +8,7 @@ import asyncio
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
 from faststream.kafka import KafkaBroker
@@ -131,6 +131,9 @@ async def send_each(
     the producer refuses before sending gets its error; when `stop(error)` says so, the rest
     are not sent and get the same error (the broker is away: each would wait out the same
     timeout)."""
+    many = getattr(broker, "send_many", None)
+    if many is not None:  # a publisher that batches by itself (the meter's relay)
+        return cast(list[Outcome], await many(messages))
     outcomes: list[Outcome] = [None] * len(messages)
     futures: list[tuple[int, Any]] = []
     for i, (topic, key, value, headers, partition) in enumerate(messages):

@@ -6,9 +6,12 @@ dataclasses, and a test checks that every tick validates as a UsageTick in an En
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pydantic_core import to_json
@@ -92,28 +95,57 @@ class EncodedTick(OutMessage):
         return self.body
 
 
+# The C escaper behind json.dumps for one string (quotes, backslashes, control characters and
+# anything beyond ASCII escaped): valid JSON whatever an id holds.
+_string: Callable[[str], str] = json.encoder.encode_basestring_ascii
+
+
 def tick_messages(ticks: list[Tick], grid: Grid, currency: str) -> list[OutMessage]:
-    """The ticks of one batch or clock pass share its time and trace."""
+    """The ticks of one batch or clock pass share its time and trace.
+
+    Each envelope is written as text: what a run's ticks share (the envelope's head, the
+    tenant, the payload's fixed fields) is encoded once per run and tier, and each tick adds
+    its own fields, about a third of the cost of building a dict per tick and serialising it.
+    `tick_payload` is the same payload as a dict; a test holds the two to the same JSON."""
     ids = batch_ids(len(ticks) + 1)
     shared = Envelope(type="UsageTick", producer=PRODUCER, trace_id=ids.pop())
-    head = {
-        "type": "UsageTick",
-        "version": 1,
-        "occurred_at": shared.occurred_at,
-        "producer": PRODUCER,
-        "trace_id": shared.trace_id,
-    }
-    fixed: dict[tuple[str, str, str], dict[str, Any]] = {}
+    head = to_json(
+        {
+            "type": "UsageTick",
+            "version": 1,
+            "occurred_at": shared.occurred_at,
+            "producer": PRODUCER,
+            "trace_id": shared.trace_id,
+        }
+    ).decode()[:-1]  # open: the rest of each envelope follows
+    prefixes: dict[tuple[str, str, str], str] = {}
+    instants: dict[datetime, str] = {}
     out: list[OutMessage] = []
     for t, event_id in zip(ticks, ids, strict=True):
         key = (t.run_id, t.price_tier, t.tenant)
-        common = fixed.get(key)
-        if common is None:
-            common = fixed[key] = _fixed(t, grid, currency)
-        envelope = {**head, "event_id": event_id, "tenant": t.tenant}
-        envelope["payload"] = tick_payload(t, grid, currency, common)
+        prefix = prefixes.get(key)
+        if prefix is None:
+            fixed = to_json(_fixed(t, grid, currency)).decode()[1:-1]
+            prefix = prefixes[key] = f'{head},"tenant":{_string(t.tenant)},"payload":{{{fixed},'
+        start = instants.get(t.interval_start)
+        if start is None:
+            start = instants[t.interval_start] = to_json(t.interval_start).decode()
+        end = instants.get(t.interval_end)
+        if end is None:
+            end = instants[t.interval_end] = to_json(t.interval_end).decode()
+        outcome = "" if t.outcome is None else f',"outcome":{_string(t.outcome)}'
+        text = (
+            f'{prefix}"tick_id":{_string(t.tick_id)},"kind":"{t.kind.value}",'
+            f'"count":{t.count_u / MICRO!r},"interval_index":{t.interval_index},'
+            f'"interval_start":{start},"interval_end":{end},'
+            f'"start_offset_s":{t.start_offset_u / MICRO!r},'
+            f'"end_offset_s":{t.end_offset_u / MICRO!r},"seconds":{t.seconds_u / MICRO!r},'
+            f'"accelerator_seconds":{t.accelerator_seconds_u / MICRO!r},'
+            f'"unit_price":{t.unit_price_u / MICRO!r},"cost":{t.cost_u / MICRO!r}{outcome}}},'
+            f'"event_id":"{event_id}"}}'
+        )
         # per-tenant order: finance partitions its books by tenant
-        out.append(EncodedTick(topics.USAGE_TICK, t.tenant, shared, body=to_json(envelope)))
+        out.append(EncodedTick(topics.USAGE_TICK, t.tenant, shared, body=text.encode()))
     return out
 
 
