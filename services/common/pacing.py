@@ -55,15 +55,19 @@ class FetchPacer:
         else:
             self.saw_records()  # busy now; quiet once `quiet_s` passes without records
 
-    def set_busy_ms(self, busy_ms: int) -> None:
-        """A new busy wait (a scheduler replica taking or leaving the lead)."""
+    def set_busy_ms(self, busy_ms: int, *, wake: bool = False) -> None:
+        """A new busy wait (a scheduler replica taking or leaving the lead); with `wake`, busy
+        from now on as if records had come (a new leader reads to the end at once)."""
         self.busy_ms = busy_ms
         self.idle_ms = idle_wait(busy_ms, self.factor, self.max_ms)
+        if wake:
+            self.saw_records()
         self._apply()
 
     def saw_records(self, consumer: Any = None, subscriber: Any = None) -> None:
-        if self._consumer is None and consumer is not None:
-            self._consumer, self._subscriber = consumer, subscriber
+        if consumer is not None:  # the latest one: a client may have been made anew
+            self._consumer = consumer
+            self._subscriber = subscriber if subscriber is not None else self._subscriber
         loop = asyncio.get_running_loop()
         self._last = loop.time()
         if self.quiet:

@@ -132,9 +132,11 @@ class Feed:
         """How long the broker may hold each fetch when there is nothing new (Tansu answers
         only at that deadline): short while leading, long while standing by. `cold_ms` for
         the second consumer (default: `ms`). These are the busy waits: a consumer whose
-        topics are quiet polls more slowly until its next record (common/pacing.py)."""
+        topics are quiet polls more slowly until its next record (common/pacing.py); a
+        shorter one (taking the lead) makes it busy at once, to read to the end quickly."""
         for i, pacer in enumerate(self._pacers):
-            pacer.set_busy_ms(cold_ms if i == self._cold and cold_ms is not None else ms)
+            wait = cold_ms if i == self._cold and cold_ms is not None else ms
+            pacer.set_busy_ms(wait, wake=wait < pacer.busy_ms)
 
     def partitions_of(self, topics: tuple[str, ...]) -> list[tuple[str, int]]:
         """(topic, partition) of every partition of `topics` we read."""

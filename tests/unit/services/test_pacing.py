@@ -87,6 +87,27 @@ async def test_a_new_busy_wait_applies_at_once_and_moves_the_idle_one() -> None:
     pacer.close()
 
 
+async def test_a_wake_makes_a_quiet_consumer_busy_at_once() -> None:
+    consumer = fake_consumer()
+    pacer = FetchPacer(250, factor=5, max_ms=500, quiet_s=0.05)
+    pacer.attach(consumer)
+    pacer.set_busy_ms(10, wake=True)  # taking the lead: read to the end now
+    assert consumer._fetcher._fetch_max_wait_ms == 10
+    await asyncio.sleep(0.3)  # and quiet again once nothing came
+    assert consumer._fetcher._fetch_max_wait_ms == 50
+    pacer.close()
+
+
+async def test_the_latest_consumer_is_paced() -> None:
+    first, second = fake_consumer(), fake_consumer()
+    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
+    pacer.saw_records(first, None)
+    pacer.saw_records(second, None)
+    pacer.set_busy_ms(20)
+    assert second._fetcher._fetch_max_wait_ms == 20
+    pacer.close()
+
+
 async def test_a_factor_of_one_never_changes_the_wait() -> None:
     consumer = fake_consumer()
     pacer = FetchPacer(10, factor=1, max_ms=500, quiet_s=0.01)
