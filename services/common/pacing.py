@@ -2,12 +2,16 @@
 partitions have been quiet for a while.
 
 Tansu answers a fetch with no data only at its `fetch_max_wait_ms` deadline, so that wait is
-a consumer's polling period, and every poll costs the broker in proportion to the partitions
-it names (shared/INFRA.md; docs/performance.md "Idle consumers"). A stack of twenty consumers
-polling every 10-100 ms kept the broker about two thirds of a core busy with nothing to do.
-A pacer lengthens the wait of a consumer that has seen no record for `quiet_s` to
+a consumer's polling period, and every poll costs the broker, more the more partitions it
+names (shared/INFRA.md; docs/performance.md "Idle consumers poll slowly"). A stack of twenty
+consumers polling every 10-100 ms kept the broker more than half a core busy with nothing to
+do. A pacer lengthens the fetch wait of a consumer that has seen no record for `quiet_s` to
 `idle_wait(busy, factor, max)` and restores the short one with the first record it sees: the
 first record after a quiet spell waits up to the long wait, the ones after it do not.
+
+Only the broker's fetch wait is paced. A FastStream batch subscriber's own loop (`getmany`
+for `batch_timeout_ms`, then as long a sleep when it got nothing) keeps the busy period: that
+loop costs the service little, and a long sleep there would delay the first record again.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ def idle_wait(busy_ms: int, factor: int, max_ms: int) -> int:
 
 
 class FetchPacer:
-    """Keeps one consumer's fetch wait at `busy_ms` while records arrive and at the idle wait
-    once none has for `quiet_s`. `saw_records` is called with every non-empty batch; the
-    consumer (aiokafka) and, for a FastStream batch subscriber, the subscriber (whose
-    `batch_timeout_ms` paces its own loop) are learnt from the first batch or `attach`."""
+    """Keeps one aiokafka consumer's fetch wait at `busy_ms` while records arrive and at the
+    idle wait once none has for `quiet_s`. `saw_records` is called with every non-empty
+    batch; the consumer is learnt from `attach` or from the batches (the latest one wins: a
+    client may be made anew)."""
 
     def __init__(self, busy_ms: int, *, factor: int, max_ms: int, quiet_s: float) -> None:
         self.factor = factor
@@ -36,7 +40,6 @@ class FetchPacer:
         self.idle_ms = idle_wait(busy_ms, factor, max_ms)
         self.quiet = True
         self._consumer: Any = None
-        self._subscriber: Any = None
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -45,10 +48,10 @@ class FetchPacer:
         """The wait the consumer should have now."""
         return self.idle_ms if self.quiet else self.busy_ms
 
-    def attach(self, consumer: Any, subscriber: Any = None, *, quiet: bool = True) -> None:
+    def attach(self, consumer: Any, *, quiet: bool = True) -> None:
         """Pace `consumer` from now on, starting quiet (or busy, for a reader that must catch
         up at once)."""
-        self._consumer, self._subscriber = consumer, subscriber
+        self._consumer = consumer
         self.quiet = True
         if quiet:
             self._apply()
@@ -62,24 +65,32 @@ class FetchPacer:
         self.idle_ms = idle_wait(busy_ms, self.factor, self.max_ms)
         if wake:
             self.saw_records()
+        else:
+            self._arm()
         self._apply()
 
-    def saw_records(self, consumer: Any = None, subscriber: Any = None) -> None:
-        if consumer is not None:  # the latest one: a client may have been made anew
+    def saw_records(self, consumer: Any = None) -> None:
+        if consumer is not None and consumer is not self._consumer:
             self._consumer = consumer
-            self._subscriber = subscriber if subscriber is not None else self._subscriber
-        loop = asyncio.get_running_loop()
-        self._last = loop.time()
+            self._apply()
+        self._last = asyncio.get_running_loop().time()
         if self.quiet:
             self.quiet = False
             self._apply()
-        if self._timer is None and self.idle_ms > self.busy_ms:
-            self._timer = loop.call_later(self.quiet_s, self._check)
+        self._arm()
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def _arm(self) -> None:
+        """A busy consumer always has a timer to make it quiet (when there is a slower wait
+        to go to)."""
+        if not self.quiet and self._timer is None and self.idle_ms > self.busy_ms:
+            loop = asyncio.get_running_loop()
+            left = max(0.0, self._last + self.quiet_s - loop.time())
+            self._timer = loop.call_later(left, self._check)
 
     def _check(self) -> None:
         self._timer = None
@@ -92,10 +103,7 @@ class FetchPacer:
         self._apply()
 
     def _apply(self) -> None:
-        wait = self.wait_ms
         # aiokafka reads the wait for every fetch it sends and has no public setter.
         fetcher = getattr(self._consumer, "_fetcher", None)
         if fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
-            fetcher._fetch_max_wait_ms = wait
-        if self._subscriber is not None and hasattr(self._subscriber, "batch_timeout_ms"):
-            self._subscriber.batch_timeout_ms = wait
+            fetcher._fetch_max_wait_ms = self.wait_ms

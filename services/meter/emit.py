@@ -1,7 +1,8 @@
 """What the meter announces: usage ticks, budget thresholds and their alerts, as outbox
 messages. Ticks are the hot path (tens of thousands a second), so their envelopes are
-serialised from plain dicts rather than validated models: the values come from our own
-dataclasses, and a test checks that every tick validates as a UsageTick in an Envelope.
+written as JSON text rather than validated models: the values come from our own dataclasses,
+and tests check that every tick validates as a UsageTick in an Envelope and that the text is
+the JSON of the dict form (`tick_payload`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def tick_payload(
 
 @dataclass(frozen=True)
 class EncodedTick(OutMessage):
-    """A usage tick whose bytes are made once, straight from a dict. `envelope` holds what the
+    """A usage tick whose bytes are made once, as text (`tick_messages`). `envelope` holds what the
     ticks of one batch share (type, producer, time, trace); the bytes are the whole envelope,
     each with its own event id. The outbox and the relay only read `envelope.type` and
     `encode()`; validating and dumping a model per tick would cost more than all the rest."""

@@ -78,16 +78,21 @@ class BatchPublisher:
 
     async def send_many(self, messages: Sequence[Wire]) -> list[Outcome]:
         """Send every message, one batch per partition (or more when one is full), and wait
-        for the broker; the outcome of each, in order (None once the broker has it)."""
+        for the broker; the outcome of each, in order (None once the broker has it). It never
+        raises for a message: every failure is that message's outcome. (`send_each`'s `stop`
+        does not apply: the batches of one partition stop at a failure by themselves.)"""
         outcomes: list[Outcome] = [None] * len(messages)
         groups: dict[tuple[str, int], list[Item]] = {}
         for i, (topic, key, value, headers, partition) in enumerate(messages):
             raw = key.encode()
-            if partition is None:
-                partition = await self._partition(topic, raw)
-            groups.setdefault((topic, partition), []).append(
-                (i, raw, value, self._encoded(headers))
-            )
+            try:
+                if partition is None:
+                    partition = await self._partition(topic, raw)
+                encoded = self._encoded(headers)
+            except Exception as exc:  # no metadata for the topic, a header that is no text
+                outcomes[i] = exc
+                continue
+            groups.setdefault((topic, partition), []).append((i, raw, value, encoded))
         await asyncio.gather(
             *(
                 self._send_group(topic, part, items, outcomes)
@@ -126,12 +131,18 @@ class BatchPublisher:
 
     async def _send(self, topic: str, partition: int, items: list[Pending]) -> None:
         outcomes: list[Outcome] = [None] * len(items)
-        await self._send_group(
-            topic,
-            partition,
-            [(i, key, value, hdrs) for i, (key, value, hdrs, _) in enumerate(items)],
-            outcomes,
-        )
+        try:
+            await self._send_group(
+                topic,
+                partition,
+                [(i, key, value, hdrs) for i, (key, value, hdrs, _) in enumerate(items)],
+                outcomes,
+            )
+        except BaseException:  # cancelled: nobody may wait for ever on these futures
+            for *_, done in items:
+                if not done.done():
+                    done.cancel()
+            raise
         for (*_, done), outcome in zip(items, outcomes, strict=True):
             if done.done():
                 continue
@@ -143,39 +154,56 @@ class BatchPublisher:
     async def _send_group(
         self, topic: str, partition: int, items: list[Item], outcomes: list[Outcome]
     ) -> None:
-        """Send `items` to one partition in as few batches as hold them; each one's outcome
-        goes to `outcomes[its index]`. A message larger than a request is refused on its own
-        (as aiokafka's `send` would), one larger than a batch goes in a batch of its own, and a
-        batch the broker refuses for good fails alone; any other failure (the broker away)
-        fails that batch and every one not sent yet."""
+        """Send `items` to one partition, in order, in as few batches as hold them; each one's
+        outcome goes to `outcomes[its index]`. A message larger than a request is refused on
+        its own (as aiokafka's `send` would); one larger than a batch goes in a batch of its
+        own; a batch the broker refuses for good is sent again one message at a time, so only
+        the messages it refuses fail. Any other failure (the broker away) fails that batch and
+        every message after it, which keeps them in order for the relay's next try."""
         start = 0
-        while start < len(items):
-            index, key, value, hdrs = items[start]
-            if _size(key, value, hdrs) > MAX_REQUEST:
-                outcomes[index] = MessageSizeTooLargeError(
-                    f"a message of {len(value):,} bytes for {topic} exceeds the request limit"
-                )
-                start += 1
-                continue
-            batch = self.producer.create_batch()
-            end = start
-            while end < len(items):
-                _, key, value, hdrs = items[end]
-                if end > start and _size(key, value, hdrs) > MAX_REQUEST:
-                    break  # refused on its own at the top of the loop
-                if batch.append(key=key, value=value, timestamp=None, headers=hdrs) is None:
-                    break  # full: the rest go in the next batch (the first always fits)
-                end += 1
-            try:
-                await (await self.producer.send_batch(batch, topic, partition=partition))
-            except Exception as exc:
-                failed = items[start:end] if refused_for_good(exc) else items[start:]
-                for i, *_ in failed:
+        try:
+            while start < len(items):
+                index, key, value, hdrs = items[start]
+                if _size(key, value, hdrs) > MAX_REQUEST:
+                    outcomes[index] = MessageSizeTooLargeError(
+                        f"a message of {len(value):,} bytes for {topic} exceeds the request limit"
+                    )
+                    start += 1
+                    continue
+                batch = self.producer.create_batch()
+                end = start
+                while end < len(items):
+                    _, key, value, hdrs = items[end]
+                    if end > start and _size(key, value, hdrs) > MAX_REQUEST:
+                        break  # refused on its own at the top of the loop
+                    if batch.append(key=key, value=value, timestamp=None, headers=hdrs) is None:
+                        break  # full: the rest go in the next batch (the first always fits)
+                    end += 1
+                try:
+                    await (await self.producer.send_batch(batch, topic, partition=partition))
+                except Exception as exc:
+                    if not refused_for_good(exc):
+                        raise
+                    if end - start == 1:
+                        outcomes[items[start][0]] = exc
+                        start = end
+                        continue
+                    # Again one at a time: only the messages the broker refuses fail.
+                    for item in items[start:end]:
+                        await self._send_group(topic, partition, [item], outcomes)
+                        start += 1
+                        failed = outcomes[item[0]]
+                        if failed is not None and not refused_for_good(failed):
+                            raise failed from None  # the broker away: the rest wait
+                    continue
+                start = end
+        except Exception as exc:
+            for i, *_ in items[start:]:
+                if outcomes[i] is None:
                     outcomes[i] = exc
-                if not refused_for_good(exc):
-                    return
-            start = end
 
 
 def _size(key: bytes, value: bytes, headers: Sequence[tuple[str, bytes]]) -> int:
-    return len(key) + len(value) + sum(len(k) + len(v) for k, v in headers)
+    """A message's size in a request, with room for the record's and its batch's framing."""
+    framing = 128 + 8 * len(headers)
+    return framing + len(key) + len(value) + sum(len(k) + len(v) for k, v in headers)

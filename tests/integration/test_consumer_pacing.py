@@ -1,6 +1,8 @@
-"""Pacing on the real broker: a service consumer starts quiet (its long wait on the aiokafka
-fetcher and the FastStream subscriber), is busy (its short wait) when it handles a record,
-and quiet again once none came for `fetch_idle_after_s`; the scheduler feed's consumers too."""
+"""Pacing on the real broker and the real clients: a service consumer starts quiet (the long
+wait on its aiokafka fetcher), is busy (its short wait) when it handles a record, and quiet
+again once none came for `fetch_idle_after_s`, while FastStream's own loop keeps the short
+period throughout; the scheduler feed's consumers too, and a replica taking the lead is busy
+at once."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ async def test_a_service_consumer_polls_fast_only_while_records_come(topics_read
     subscriber: list[Any] = []
 
     async def handle(records: Records) -> None:
-        # What the consumer and its subscriber were told while this batch is handled.
+        # What the consumer and its subscriber have while this batch is handled.
         sub = subscriber[0]
         for r in records:
             seen.append((r.value, sub.consumer._fetcher._fetch_max_wait_ms, sub.batch_timeout_ms))
@@ -66,13 +68,13 @@ async def test_a_service_consumer_polls_fast_only_while_records_come(topics_read
         await eventually(lambda: getattr(sub, "consumer", None) is not None)
         # Quiet from the start: nothing to read yet.
         assert sub.consumer._fetcher._fetch_max_wait_ms == 200
-        assert sub.batch_timeout_ms == 200
+        assert sub.batch_timeout_ms == 20
         await produce(topics_ready, topic, [("k", b"first")])
         await eventually(lambda: len(seen) == 1)
         assert seen[0] == (b"first", 20, 20)
         # Nothing more: back to the long wait.
         await eventually(lambda: sub.consumer._fetcher._fetch_max_wait_ms == 200)
-        assert sub.batch_timeout_ms == 200
+        assert sub.batch_timeout_ms == 20
         await produce(topics_ready, topic, [("k", b"second")])
         await eventually(lambda: len(seen) == 2)
         assert seen[1] == (b"second", 20, 20)
@@ -111,6 +113,10 @@ async def test_the_scheduler_feed_paces_each_consumer(topics_ready: str) -> None
         await eventually(lambda: fetcher._fetch_max_wait_ms == 300)
         await produce(topics_ready, topic, [("k", b"two")])
         await eventually(lambda: applied == [(b"one", 30), (b"two", 40)])
+        await eventually(lambda: fetcher._fetch_max_wait_ms == 300)
+        feed.set_fetch_wait(250, 25)  # taking the lead: busy at once, without a record
+        assert fetcher._fetch_max_wait_ms == 25
+        await eventually(lambda: fetcher._fetch_max_wait_ms == 250)  # and quiet again
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

@@ -15,8 +15,8 @@ def fake_consumer(wait_ms: int = 0) -> SimpleNamespace:
     return SimpleNamespace(_fetcher=SimpleNamespace(_fetch_max_wait_ms=wait_ms))
 
 
-def waits(consumer: SimpleNamespace, subscriber: SimpleNamespace) -> tuple[int, int]:
-    return consumer._fetcher._fetch_max_wait_ms, subscriber.batch_timeout_ms
+def wait_of(consumer: SimpleNamespace) -> int:
+    return int(consumer._fetcher._fetch_max_wait_ms)
 
 
 @pytest.mark.parametrize(
@@ -35,19 +35,19 @@ def test_idle_wait(busy: int, factor: int, cap: int, expected: int) -> None:
 
 
 async def test_quiet_until_records_then_busy_then_quiet_again() -> None:
-    consumer, subscriber = fake_consumer(), SimpleNamespace(batch_timeout_ms=0)
+    consumer = fake_consumer()
     pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=0.05)
-    pacer.attach(consumer, subscriber)
-    assert waits(consumer, subscriber) == (50, 50)
+    pacer.attach(consumer)
+    assert wait_of(consumer) == 50
     pacer.saw_records()
-    assert waits(consumer, subscriber) == (10, 10)
+    assert wait_of(consumer) == 10
     assert not pacer.quiet
     # The timer set at the records fires before a later, longer sleep ends.
     await asyncio.sleep(0.3)
     assert pacer.quiet
-    assert waits(consumer, subscriber) == (50, 50)
+    assert wait_of(consumer) == 50
     pacer.saw_records()
-    assert waits(consumer, subscriber) == (10, 10)
+    assert wait_of(consumer) == 10
     pacer.close()
 
 
@@ -55,21 +55,33 @@ async def test_records_keep_it_busy() -> None:
     consumer = fake_consumer()
     pacer = FetchPacer(100, factor=5, max_ms=500, quiet_s=3600)
     pacer.attach(consumer, quiet=False)  # a reader with a log to catch up: busy at once
-    assert consumer._fetcher._fetch_max_wait_ms == 100
+    assert wait_of(consumer) == 100
     for _ in range(3):
         pacer.saw_records()
         await asyncio.sleep(0)
     assert not pacer.quiet
-    assert consumer._fetcher._fetch_max_wait_ms == 100
+    assert wait_of(consumer) == 100
     pacer.close()
 
 
 async def test_consumer_learnt_from_the_first_batch() -> None:
-    consumer, subscriber = fake_consumer(500), SimpleNamespace(batch_timeout_ms=500)
+    consumer = fake_consumer(500)
     pacer = FetchPacer(100, factor=5, max_ms=500, quiet_s=3600)
     assert pacer.wait_ms == 500  # what the subscription starts with
-    pacer.saw_records(consumer, subscriber)
-    assert waits(consumer, subscriber) == (100, 100)
+    pacer.saw_records(consumer)
+    assert wait_of(consumer) == 100
+    pacer.close()
+
+
+async def test_a_client_made_anew_gets_the_busy_wait_at_its_first_batch() -> None:
+    """The old client was busy when the new one came: the new one starts with what it was
+    built with (the idle wait) and must be told at once, not at the next change."""
+    first, second = fake_consumer(), fake_consumer(500)
+    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
+    pacer.saw_records(first)
+    assert wait_of(first) == 10
+    pacer.saw_records(second)
+    assert wait_of(second) == 10
     pacer.close()
 
 
@@ -77,13 +89,13 @@ async def test_a_new_busy_wait_applies_at_once_and_moves_the_idle_one() -> None:
     consumer = fake_consumer()
     pacer = FetchPacer(250, factor=5, max_ms=500, quiet_s=3600)
     pacer.attach(consumer)
-    assert consumer._fetcher._fetch_max_wait_ms == 500
+    assert wait_of(consumer) == 500
     pacer.set_busy_ms(10)  # a standby takes the lead
-    assert consumer._fetcher._fetch_max_wait_ms == 50  # still quiet, at the new idle wait
+    assert wait_of(consumer) == 50  # still quiet, at the new idle wait
     pacer.saw_records()
-    assert consumer._fetcher._fetch_max_wait_ms == 10
+    assert wait_of(consumer) == 10
     pacer.set_busy_ms(250)  # and leaves it
-    assert consumer._fetcher._fetch_max_wait_ms == 250
+    assert wait_of(consumer) == 250
     pacer.close()
 
 
@@ -92,19 +104,23 @@ async def test_a_wake_makes_a_quiet_consumer_busy_at_once() -> None:
     pacer = FetchPacer(250, factor=5, max_ms=500, quiet_s=0.05)
     pacer.attach(consumer)
     pacer.set_busy_ms(10, wake=True)  # taking the lead: read to the end now
-    assert consumer._fetcher._fetch_max_wait_ms == 10
+    assert wait_of(consumer) == 10
     await asyncio.sleep(0.3)  # and quiet again once nothing came
-    assert consumer._fetcher._fetch_max_wait_ms == 50
+    assert wait_of(consumer) == 50
     pacer.close()
 
 
-async def test_the_latest_consumer_is_paced() -> None:
-    first, second = fake_consumer(), fake_consumer()
-    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
-    pacer.saw_records(first, None)
-    pacer.saw_records(second, None)
+async def test_busy_with_nothing_slower_to_go_to_then_a_shorter_wait_still_goes_quiet() -> None:
+    """Busy while the idle wait equals the busy one (no timer was needed), then a shorter busy
+    wait without a wake: a timer must still bring it to the new idle wait."""
+    consumer = fake_consumer()
+    pacer = FetchPacer(500, factor=5, max_ms=500, quiet_s=0.05)
+    pacer.attach(consumer, quiet=False)
+    assert pacer._timer is None
     pacer.set_busy_ms(20)
-    assert second._fetcher._fetch_max_wait_ms == 20
+    assert wait_of(consumer) == 20
+    await asyncio.sleep(0.3)
+    assert wait_of(consumer) == 100
     pacer.close()
 
 
@@ -114,14 +130,14 @@ async def test_a_factor_of_one_never_changes_the_wait() -> None:
     pacer.attach(consumer)
     pacer.saw_records()
     await asyncio.sleep(0.1)
-    assert consumer._fetcher._fetch_max_wait_ms == 10
+    assert wait_of(consumer) == 10
     assert pacer._timer is None
 
 
 async def test_objects_without_the_knobs_are_left_alone() -> None:
     """The in-memory test broker's consumer has no fetcher: pacing it does nothing."""
     pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
-    pacer.attach(object(), object())
+    pacer.attach(object())
     pacer.saw_records()
     assert pacer.wait_ms == 10
     pacer.close()
