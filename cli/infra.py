@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -89,6 +89,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int, taken: Iterable[int] = ()) -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago, none of them in `taken`. The
+    sockets stay bound until all are picked: one at a time, the kernel may hand out a port it
+    just handed out (two services of one stack were given the same port that way)."""
+    avoid = set(taken)
+    held: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in avoid:
+                ports.append(port)
+                avoid.add(port)
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:

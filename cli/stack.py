@@ -29,7 +29,7 @@ from cli.infra import (
     ensure_kafka,
     ensure_postgres,
     ensure_redis,
-    free_port,
+    free_ports,
     stop_servers,
     with_database,
 )
@@ -38,6 +38,8 @@ from cli.processes import Target, cmdline, is_alive, spawn, stop_all
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STATE_FILE = "stack.json"
+# Every service's /healthz names its process, so a port answered by another is told apart.
+PID_HEADER = "x-qm-pid"
 DATABASE = "quartermaster"
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -124,20 +126,20 @@ def service_plan(
     """Every service process to start, with the gateway on its fixed port. Two schedulers:
     one leads, the other follows the log and takes over when the leader dies. An executor per
     cluster, and an edge executor per robot fleet."""
+    core = ("queue", "scheduler", "preemptor", "health", "meter", "autoscaler", "serving")
+    # Every port distinct, and none the gateway's (free_ports holds them all while picking).
+    ports = iter(free_ports(len(core) + 1 + len(clusters) + len(robot_fleets), [gateway_port]))
     plan = [Service("gateway", "services.gateway", gateway_port, logs / "gateway.log")]
-    plan += [
-        Service(n, f"services.{n}", free_port(), logs / f"{n}.log")
-        for n in ("queue", "scheduler", "preemptor", "health", "meter", "autoscaler", "serving")
-    ]
+    plan += [Service(n, f"services.{n}", next(ports), logs / f"{n}.log") for n in core]
     standby = "scheduler-standby"
-    plan.append(Service(standby, "services.scheduler", free_port(), logs / f"{standby}.log"))
+    plan.append(Service(standby, "services.scheduler", next(ports), logs / f"{standby}.log"))
     for cluster in clusters:
         name = "executor-" + re.sub(r"[^A-Za-z0-9_.-]", "_", cluster)
         plan.append(
             Service(
                 name,
                 "services.executor",
-                free_port(),
+                next(ports),
                 logs / f"{name}.log",
                 {"QM_EXECUTOR_CLUSTER": cluster},
             )
@@ -148,7 +150,7 @@ def service_plan(
             Service(
                 name,
                 "services.executor.edge",
-                free_port(),
+                next(ports),
                 logs / f"{name}.log",
                 {"QM_EDGE_FLEET": fleet},
             )
@@ -319,7 +321,8 @@ class Stack:
         if self.base_env is None:
             raise StackError("add_service needs the process that started the stack")
         logs = self.state_dir / "logs"
-        service = Service(name, module, free_port(), logs / f"{name}.log")
+        port = free_ports(1, [s.port for s in self.services])[0]
+        service = Service(name, module, port, logs / f"{name}.log")
         self._spawn([service], self.base_env)
         self._wait_healthy(timeout, [service])
         return service
@@ -349,10 +352,18 @@ class Stack:
                             f"{service.log}:\n{log_tail(service.log)}"
                         )
                     try:
-                        if client.get(service.health_url).status_code == 200:
-                            pending.remove(service)
+                        answer = client.get(service.health_url)
                     except httpx.HTTPError:
-                        pass  # not listening yet
+                        continue  # not listening yet
+                    owner = answer.headers.get(PID_HEADER)
+                    if owner is not None and service.pid is not None and owner != str(service.pid):
+                        raise StackError(
+                            f"{service.name}'s port {service.port} is answered by another "
+                            f"process (pid {owner}); last lines of {service.log}:\n"
+                            f"{log_tail(service.log)}"
+                        )
+                    if answer.status_code == 200:
+                        pending.remove(service)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(s.name for s in pending)
                     raise StackError(

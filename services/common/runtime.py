@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -228,7 +229,12 @@ def create_http_app(runtime: Runtime, **fastapi_kwargs: Any) -> FastAPI:
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:
         status = 200 if runtime.ready else 503
-        return Response(content="ok" if runtime.ready else "starting", status_code=status)
+        # The process answering, so whoever started it can tell when its port is another's.
+        return Response(
+            content="ok" if runtime.ready else "starting",
+            status_code=status,
+            headers={"x-qm-pid": str(os.getpid())},
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

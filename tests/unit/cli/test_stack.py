@@ -183,6 +183,9 @@ FAKE_SERVICE = textwrap.dedent("""
     if os.environ.get("FAKE_FAIL") and os.environ.get("QM_EXECUTOR_CLUSTER"):
         print("boom: cannot reach the fleet", flush=True)
         sys.exit(3)
+    if os.environ.get("FAKE_SILENT") and os.environ.get("QM_EXECUTOR_CLUSTER"):
+        import time
+        time.sleep(300)  # never listens: its port is another's
     for key in ("QM_KAFKA_BOOTSTRAP", "QM_DATABASE_URL", "QM_REDIS_URL", "QM_FLEET_FILE"):
         assert os.environ[key], key
     subprocess.Popen(["sleep", "300"])  # a child that must die with the service
@@ -265,6 +268,57 @@ def spawned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.integration
+def test_free_ports_are_distinct_and_avoid_the_taken_ones() -> None:
+    taken = infra.free_port()
+    ports = infra.free_ports(50, [taken])
+    assert len(set(ports)) == 50 and taken not in ports
+
+
+@pytest.mark.integration
+def test_a_port_answered_by_another_process_fails_the_start(
+    tmp_path: Path,
+    stack_env: dict[str, str],
+    spawned: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A service whose port another process answers (its own bind failed) must not count as
+    healthy: /healthz names the process that answers."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Impostor(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header(stack_module.PID_HEADER, "1")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    planned = stack_module.service_plan
+
+    def plan(*args: Any) -> list[Service]:
+        services = planned(*args)
+        [executor] = [s for s in services if s.name.startswith("executor-")][:1]
+        executor.port = server.server_address[1]
+        return services
+
+    monkeypatch.setattr(stack_module, "service_plan", plan)
+    try:
+        with pytest.raises(StackError, match="answered by another process"):
+            Stack.start(
+                tmp_path / "st",
+                gateway_port=infra.free_port(),
+                env={**stack_env, "FAKE_SILENT": "1"},
+                policy_file=stand_in_policy(tmp_path),
+            )
+    finally:
+        server.shutdown()
+    assert [p for p in spawned if is_alive(p) or group_members(p)] == []
+
+
 def test_a_service_that_dies_fails_the_start_and_nothing_is_left(
     tmp_path: Path, stack_env: dict[str, str], spawned: list[int]
 ) -> None:
