@@ -40,6 +40,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 STATE_FILE = "stack.json"
 # Every service's /healthz names its process, so a port answered by another is told apart.
 PID_HEADER = "x-qm-pid"
+FOREIGN_ANSWER_S = 5.0  # how long another process may answer on a service's port
 DATABASE = "quartermaster"
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -343,6 +344,7 @@ class Stack:
     def _wait_healthy(self, timeout: float, services: list[Service] | None = None) -> None:
         deadline = time.monotonic() + timeout
         pending = list(self.services if services is None else services)
+        foreign_since: dict[str, float] = {}  # service -> when another process first answered
         with httpx.Client(timeout=1.0) as client:
             while pending:
                 for service in list(pending):
@@ -357,11 +359,16 @@ class Stack:
                         continue  # not listening yet
                     owner = answer.headers.get(PID_HEADER)
                     if owner is not None and service.pid is not None and owner != str(service.pid):
-                        raise StackError(
-                            f"{service.name}'s port {service.port} is answered by another "
-                            f"process (pid {owner}); last lines of {service.log}:\n"
-                            f"{log_tail(service.log)}"
-                        )
+                        # A process killed a moment ago may still answer; one that keeps
+                        # answering holds the port, and ours cannot have it.
+                        since = foreign_since.setdefault(service.name, time.monotonic())
+                        if time.monotonic() - since > FOREIGN_ANSWER_S:
+                            raise StackError(
+                                f"{service.name}'s port {service.port} is answered by another "
+                                f"process (pid {owner}); last lines of {service.log}:\n"
+                                f"{log_tail(service.log)}"
+                            )
+                        continue
                     if answer.status_code == 200:
                         pending.remove(service)
                 if pending and time.monotonic() > deadline:
