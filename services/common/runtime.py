@@ -229,7 +229,8 @@ def create_http_app(runtime: Runtime, **fastapi_kwargs: Any) -> FastAPI:
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> Response:
         status = 200 if runtime.ready else 503
-        # The process answering, so whoever started it can tell when its port is another's.
+        # The process answering, so whoever started it can tell when its port is another's
+        # (cli/stack.py PID_HEADER reads it).
         return Response(
             content="ok" if runtime.ready else "starting",
             status_code=status,

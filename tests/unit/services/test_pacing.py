@@ -19,6 +19,11 @@ def wait_of(consumer: SimpleNamespace) -> int:
     return int(consumer._fetcher._fetch_max_wait_ms)
 
 
+def pacer_of(busy_ms: int, quiet_s: float = 3600, factor: int = 5) -> FetchPacer:
+    """A pacer going 5 times slower (at most every 500 ms) after `quiet_s` without records."""
+    return FetchPacer(busy_ms, factor=factor, max_ms=500, quiet_s=quiet_s)
+
+
 @pytest.mark.parametrize(
     ("busy", "factor", "cap", "expected"),
     [
@@ -36,7 +41,7 @@ def test_idle_wait(busy: int, factor: int, cap: int, expected: int) -> None:
 
 async def test_quiet_until_records_then_busy_then_quiet_again() -> None:
     consumer = fake_consumer()
-    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=0.05)
+    pacer = pacer_of(10, quiet_s=0.05)
     pacer.attach(consumer)
     assert wait_of(consumer) == 50
     pacer.saw_records()
@@ -53,7 +58,7 @@ async def test_quiet_until_records_then_busy_then_quiet_again() -> None:
 
 async def test_records_keep_it_busy() -> None:
     consumer = fake_consumer()
-    pacer = FetchPacer(100, factor=5, max_ms=500, quiet_s=3600)
+    pacer = pacer_of(100)
     pacer.attach(consumer, quiet=False)  # a reader with a log to catch up: busy at once
     assert wait_of(consumer) == 100
     for _ in range(3):
@@ -66,7 +71,7 @@ async def test_records_keep_it_busy() -> None:
 
 async def test_consumer_learnt_from_the_first_batch() -> None:
     consumer = fake_consumer(500)
-    pacer = FetchPacer(100, factor=5, max_ms=500, quiet_s=3600)
+    pacer = pacer_of(100)
     assert pacer.wait_ms == 500  # what the subscription starts with
     pacer.saw_records(consumer)
     assert wait_of(consumer) == 100
@@ -77,7 +82,7 @@ async def test_a_client_made_anew_gets_the_busy_wait_at_its_first_batch() -> Non
     """The old client was busy when the new one came: the new one starts with what it was
     built with (the idle wait) and must be told at once, not at the next change."""
     first, second = fake_consumer(), fake_consumer(500)
-    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
+    pacer = pacer_of(10)
     pacer.saw_records(first)
     assert wait_of(first) == 10
     pacer.saw_records(second)
@@ -87,7 +92,7 @@ async def test_a_client_made_anew_gets_the_busy_wait_at_its_first_batch() -> Non
 
 async def test_a_new_busy_wait_applies_at_once_and_moves_the_idle_one() -> None:
     consumer = fake_consumer()
-    pacer = FetchPacer(250, factor=5, max_ms=500, quiet_s=3600)
+    pacer = pacer_of(250)
     pacer.attach(consumer)
     assert wait_of(consumer) == 500
     pacer.set_busy_ms(10)  # a standby takes the lead
@@ -101,7 +106,7 @@ async def test_a_new_busy_wait_applies_at_once_and_moves_the_idle_one() -> None:
 
 async def test_a_wake_makes_a_quiet_consumer_busy_at_once() -> None:
     consumer = fake_consumer()
-    pacer = FetchPacer(250, factor=5, max_ms=500, quiet_s=0.05)
+    pacer = pacer_of(250, quiet_s=0.05)
     pacer.attach(consumer)
     pacer.set_busy_ms(10, wake=True)  # taking the lead: read to the end now
     assert wait_of(consumer) == 10
@@ -114,7 +119,7 @@ async def test_busy_with_nothing_slower_to_go_to_then_a_shorter_wait_still_goes_
     """Busy while the idle wait equals the busy one (no timer was needed), then a shorter busy
     wait without a wake: a timer must still bring it to the new idle wait."""
     consumer = fake_consumer()
-    pacer = FetchPacer(500, factor=5, max_ms=500, quiet_s=0.05)
+    pacer = pacer_of(500, quiet_s=0.05)
     pacer.attach(consumer, quiet=False)
     assert pacer._timer is None
     pacer.set_busy_ms(20)
@@ -126,7 +131,7 @@ async def test_busy_with_nothing_slower_to_go_to_then_a_shorter_wait_still_goes_
 
 async def test_a_factor_of_one_never_changes_the_wait() -> None:
     consumer = fake_consumer()
-    pacer = FetchPacer(10, factor=1, max_ms=500, quiet_s=0.01)
+    pacer = pacer_of(10, quiet_s=0.01, factor=1)
     pacer.attach(consumer)
     pacer.saw_records()
     await asyncio.sleep(0.1)
@@ -136,7 +141,7 @@ async def test_a_factor_of_one_never_changes_the_wait() -> None:
 
 async def test_objects_without_the_knobs_are_left_alone() -> None:
     """The in-memory test broker's consumer has no fetcher: pacing it does nothing."""
-    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
+    pacer = pacer_of(10)
     pacer.attach(object())
     pacer.saw_records()
     assert pacer.wait_ms == 10
