@@ -21,6 +21,7 @@ from core.model import (
     Allocation,
     Cluster,
     ClusterId,
+    JobRequest,
     Node,
     NodeId,
     PriceTier,
@@ -79,6 +80,11 @@ class Capacity:
     cluster_devices: FloatArray
     # Reservation number holding the node for a waiting gang, or -1.
     held: IntArray
+    # Per accelerator type (`type_names` order), in thousandths: free room, and what running
+    # work restricted to some of the fleet's types holds on it (placement keeps room of a type
+    # for the work that can run nowhere else; `core.placement`).
+    type_free_milli: IntArray
+    type_claimed_milli: IntArray
     _candidates: dict[tuple[object, ...], IntArray] = field(default_factory=dict)
     # Whether a job shape fits an idle fleet (see `core.placement`): static, so cached here.
     empty_fits: dict[tuple[object, ...], bool] = field(default_factory=dict)
@@ -124,6 +130,12 @@ class Capacity:
             cluster_free=_per_cluster(ordered, cluster_names),
             cluster_devices=_per_cluster(ordered, cluster_names),
             held=np.full(len(ordered), -1, dtype=np.int64),
+            type_free_milli=np.bincount(
+                _codes([n.accelerator.type for n in ordered], type_names),
+                weights=[n.accelerators * MILLI for n in ordered],
+                minlength=len(type_names),
+            ).astype(np.int64),
+            type_claimed_milli=np.zeros(len(type_names), dtype=np.int64),
         )
 
     def copy(self) -> Capacity:
@@ -139,6 +151,8 @@ class Capacity:
             cluster_free_milli=self.cluster_free_milli.copy(),
             cluster_free=self.cluster_free.copy(),
             held=self.held.copy(),
+            type_free_milli=self.type_free_milli.copy(),
+            type_claimed_milli=self.type_claimed_milli.copy(),
             _candidates=self._candidates,
             empty_fits=self.empty_fits,
             spread={g: dict(on) for g, on in self.spread.items()},
@@ -273,6 +287,7 @@ class Capacity:
         cluster = self.cluster_of[node]
         self.cluster_free_milli[cluster] -= delta
         self.cluster_free[cluster] = self.cluster_free_milli[cluster] / MILLI
+        self.type_free_milli[self.type_of[node]] -= delta
 
     def _use(self, node: int, device: int, amount: int) -> None:
         """Add `amount` thousandths to one device's use (negative: give back), keeping the
@@ -290,6 +305,7 @@ class Capacity:
         cluster = self.cluster_of[node]
         self.cluster_free_milli[cluster] -= delta
         self.cluster_free[cluster] = self.cluster_free_milli[cluster] / MILLI
+        self.type_free_milli[self.type_of[node]] -= delta
 
     def _untouched(self, node: int, count: int) -> tuple[int, ...]:
         row = self.device_used[node, : int(self.devices[node])]
@@ -318,15 +334,32 @@ class Capacity:
         for r in replicas:
             self.take(self.index[r.node_id], r.accelerators, r.cpu, r.memory_gb, r.devices)
         for a in allocations:
-            self.count_group(a.job.spread_group, a.replicas, 1)
+            self.count_job(a.job, a.replicas, 1)
 
-    def release(self, replicas: Iterable[ReplicaPlacement], group: str | None = None) -> None:
+    def release(self, replicas: Iterable[ReplicaPlacement], job: JobRequest) -> None:
+        """Gives back what `job`'s `replicas` hold."""
         replicas = tuple(replicas)
         for r in replicas:
             node = self.index.get(r.node_id)
             if node is not None:
                 self.give(node, r.accelerators, r.cpu, r.memory_gb, r.devices)
-        self.count_group(group, replicas, -1)
+        self.count_job(job, replicas, -1)
+
+    def count_job(self, job: JobRequest, replicas: Sequence[ReplicaPlacement], sign: int) -> None:
+        """Counts (sign 1) or uncounts (-1) what a job's replicas stand for beyond the room
+        they take: its spread group, and its claim on the type it runs on if it is restricted to
+        some of the fleet's accelerator types."""
+        self.count_group(job.spread_group, replicas, sign)
+        if not self.restricted(job.accelerator_types):
+            return
+        for r in replicas:
+            node = self.index.get(r.node_id)
+            if node is not None:
+                self.type_claimed_milli[self.type_of[node]] += sign * milli(r.accelerators)
+
+    def restricted(self, types: tuple[str, ...]) -> bool:
+        """Whether a job accepting `types` (empty: any) refuses some type of this fleet."""
+        return bool(types) and not set(self.type_names) <= set(types)
 
     def count_group(
         self, group: str | None, replicas: Iterable[ReplicaPlacement], sign: int

@@ -1,5 +1,10 @@
 """Fair share between tenants: weighted dominant-resource share of what each tenant runs now,
 plus its exponentially decayed past usage, so a team that ran a lot yesterday yields today.
+
+Accelerators count by effective throughput, not by number: an accelerator of relative speed 3
+is three reference accelerators, in what a tenant holds, in the fleet's total and in past usage
+(reference accelerator-seconds). A tenant on the fastest devices yields to one holding as many
+slow ones. CPU and memory are resources of their own.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from core.policy import Policy
 
 CPU = "cpu"
 MEMORY = "memory"
+# Accelerators of every type, in reference accelerators (count x relative speed).
+ACCELERATORS = "accelerators"
 
 
 def decay(value: float, elapsed_s: float, half_life_s: float) -> float:
@@ -24,32 +31,16 @@ def decay(value: float, elapsed_s: float, half_life_s: float) -> float:
     return value * factor
 
 
-def accrue(
-    usage: Mapping[TenantId, float],
-    running: Iterable[Allocation],
-    elapsed_s: float,
-    half_life_s: float,
-) -> dict[TenantId, float]:
-    """Decays `usage` by `elapsed_s` and adds the accelerator-seconds `running` consumed in it.
-
-    The live scheduler calls this on every cycle (or on each usage tick) and feeds the result back
-    as `Snapshot.usage`; adding before or after the decay differs by at most one interval.
-    """
-    out = {t: decay(v, elapsed_s, half_life_s) for t, v in usage.items()}
-    for alloc in running:
-        spent = sum(r.accelerators for r in alloc.replicas) * max(elapsed_s, 0.0)
-        out[alloc.job.tenant] = out.get(alloc.job.tenant, 0.0) + spent
-    return out
-
-
 def accrue_rates(
     usage: Mapping[TenantId, float],
     rates: Mapping[TenantId, float],
     elapsed_s: float,
     half_life_s: float,
 ) -> dict[TenantId, float]:
-    """`accrue` from accelerators held per tenant instead of from every allocation: the same
-    figures, in time that does not grow with the running work."""
+    """Decays `usage` by `elapsed_s` and adds what each tenant held in it: `rates` are
+    reference accelerators per tenant (`ShareBook.rates`), so the time taken does not grow with
+    the running work. The live scheduler calls this on every cycle and feeds the result back as
+    `Snapshot.usage`; adding before or after the decay differs by at most one interval."""
     out = {t: decay(v, elapsed_s, half_life_s) for t, v in usage.items()}
     for tenant, rate in rates.items():
         if rate:
@@ -65,6 +56,8 @@ class ShareBook:
     allocated: dict[TenantId, dict[str, float]]
     past: dict[TenantId, float]
     policy: Policy
+    # Relative speed of each accelerator type (of its first node by id).
+    speeds: dict[str, float]
 
     @classmethod
     def build(
@@ -75,38 +68,37 @@ class ShareBook:
         policy: Policy,
     ) -> ShareBook:
         """`running` pairs each allocation with the accelerator type it occupies."""
-        totals: dict[str, float] = {CPU: 0.0, MEMORY: 0.0}
+        totals: dict[str, float] = {ACCELERATORS: 0.0, CPU: 0.0, MEMORY: 0.0}
+        speeds: dict[str, float] = {}
         for n in cap.nodes:
+            speed = speeds.setdefault(n.accelerator.type, n.accelerator.relative_speed)
             if n.healthy:
-                totals[n.accelerator.type] = totals.get(n.accelerator.type, 0.0) + n.accelerators
+                totals[ACCELERATORS] += n.accelerators * speed
                 totals[CPU] += n.cpu
                 totals[MEMORY] += n.memory_gb
-        book = cls(totals=totals, allocated={}, past={}, policy=policy)
+        book = cls(totals=totals, allocated={}, past={}, policy=policy, speeds=speeds)
         book.set_usage(usage)
         for alloc, accelerator_type in running:
             book.charge(alloc.job, accelerator_type)
         return book
 
     def set_usage(self, usage: Mapping[TenantId, float]) -> None:
-        """Replaces decayed past usage (accelerator-seconds per tenant)."""
+        """Replaces decayed past usage (reference accelerator-seconds per tenant)."""
         # A tenant that used the whole fleet forever has decayed usage of size x mean lifetime.
         lifetime = self.policy.fair_share.half_life_s / math.log(2)
-        fleet = sum(v for k, v in self.totals.items() if k not in (CPU, MEMORY))
-        scale = max(fleet, 1.0) * lifetime
+        scale = max(self.totals[ACCELERATORS], 1.0) * lifetime
         self.past = {t: v / scale for t, v in usage.items()} if lifetime > 0 else {}
 
     def charge(self, job: JobRequest, accelerator_type: str, sign: float = 1.0) -> None:
         mine = self.allocated.setdefault(job.tenant, {})
-        mine[accelerator_type] = mine.get(accelerator_type, 0.0) + sign * job.total_accelerators
+        work = job.total_accelerators * self.speeds.get(accelerator_type, 1.0)
+        mine[ACCELERATORS] = mine.get(ACCELERATORS, 0.0) + sign * work
         mine[CPU] = mine.get(CPU, 0.0) + sign * job.replicas * job.cpu
         mine[MEMORY] = mine.get(MEMORY, 0.0) + sign * job.replicas * job.memory_gb
 
     def rates(self) -> dict[TenantId, float]:
-        """Accelerators each tenant holds now (all types): what its usage grows by per second."""
-        return {
-            tenant: sum(v for k, v in mine.items() if k not in (CPU, MEMORY))
-            for tenant, mine in self.allocated.items()
-        }
+        """Reference accelerators each tenant holds now: what its usage grows by per second."""
+        return {tenant: mine.get(ACCELERATORS, 0.0) for tenant, mine in self.allocated.items()}
 
     def share(self, tenant: TenantId) -> float:
         mine = self.allocated.get(tenant, {})

@@ -225,9 +225,41 @@ def _scores(
         + prefs.fit_weight * fit
         + prefs.availability_weight * scarcity
     )
+    demand = _type_demand(cap, job, prefs)
+    if demand is not None:
+        node_demand = demand[cap.type_of[idx]]
+        total = total + prefs.type_demand_weight * (
+            per_domain(node_demand * weights) / np.maximum(per_domain(weights), EPS)
+        )
     if job.spread_group is not None and job.spread_group in cap.spread:
         total = total + per_domain(_spread_penalty(cap, cap.spread[job.spread_group], idx))
     return total
+
+
+# Past this, a type is simply "needed by the work restricted to it"; more says nothing.
+TYPE_DEMAND_CAP = 3.0
+
+
+def _type_demand(cap: Capacity, job: JobRequest, prefs: PlacementPreferences) -> FloatArray | None:
+    """Per accelerator type: how much of its free room the work that can run only on some
+    types is expected to need, relative to that room (None when it cannot change the choice).
+
+    Work restricted to some types holds a share r of what runs on each type; as the rest of
+    the free room fills, that work is expected to take r of it on its type. A type whose free
+    room is below its expected share (value above 1) is one that restricted work depends on,
+    so work that could go elsewhere should. Exact integer books feed it, so a kept state and a
+    fresh one score alike."""
+    claimed = cap.type_claimed_milli
+    if prefs.type_demand_weight == 0 or len(job.accelerator_types) == 1 or not claimed.any():
+        return None
+    free = cap.type_free_milli
+    free_all = int(free.sum())
+    used = int(cap.devices.sum()) * MILLI - free_all
+    if used <= 0:
+        return None
+    expected = claimed.astype(np.float64) * (free_all / used)
+    demand: FloatArray = np.minimum(expected / np.maximum(free, 1), TYPE_DEMAND_CAP)
+    return demand
 
 
 # A replica of the group already on the node outweighs any cost or fit difference (another
@@ -300,7 +332,7 @@ def commit(cap: Capacity, job: JobRequest, plan: Plan, now: float) -> Allocation
                     devices=devices,
                 )
             )
-    cap.count_group(job.spread_group, replicas, 1)
+    cap.count_job(job, replicas, 1)
     return Allocation(job=job, cluster=plan.cluster, replicas=tuple(replicas), start_time=now)
 
 

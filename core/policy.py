@@ -93,6 +93,9 @@ class PlacementPreferences:
     cost_weight: float = 1.0
     fit_weight: float = 0.5
     availability_weight: float = 0.25
+    # Keep accelerator types that type-restricted work depends on for that work: work that
+    # could run elsewhere avoids them (core.placement._type_demand).
+    type_demand_weight: float = 1.0
     # Spot capacity can vanish; only jobs that tolerate preemption may land there.
     spot_for_preemptible_only: bool = True
 
@@ -257,9 +260,7 @@ def _parse_policy(d: Mapping[str, Any]) -> Policy:
         accelerator_types=_parse_types(d.get("accelerator_types", {})),
         prices=_parse_prices(d.get("prices", {}), "prices"),
         ordering=_enum(OrderingMode, d.get("ordering", "fair_share"), "ordering"),
-        fair_share=FairShare(
-            **_fields(d.get("fair_share", {}), "fair_share", {"half_life_s", "usage_weight"})
-        ),
+        fair_share=FairShare(**_section(d.get("fair_share", {}), "fair_share", FairShare)),
         placement=_parse_placement(d.get("placement", {})),
         backfill=_parse_backfill(d.get("backfill", {})),
         preemption=_parse_preemption(d.get("preemption", {})),
@@ -360,30 +361,36 @@ def _parse_prices(raw: Any, where: str) -> dict[tuple[str, PriceTier], float]:
 
 
 def _parse_placement(raw: Any) -> PlacementPreferences:
-    keys = {"cost_weight", "fit_weight", "availability_weight", "spot_for_preemptible_only"}
-    values = _fields(raw, "placement", keys)
-    return PlacementPreferences(**values)
+    return PlacementPreferences(**_section(raw, "placement", PlacementPreferences))
 
 
 def _parse_backfill(raw: Any) -> Backfill:
-    values = _fields(raw, "backfill", {"mode", "max_reservations", "min_reserved_accelerators"})
+    values = _section(raw, "backfill", Backfill)
     if "mode" in values:
         values["mode"] = _enum(BackfillMode, values["mode"], "backfill.mode")
     return Backfill(**values)
 
 
 def _parse_preemption(raw: Any) -> Preemption:
-    keys = {f.name for f in dataclasses.fields(Preemption)}
-    fields = _fields(raw, "preemption", keys)
-    flags = {"enabled", "reclaim", "repack"}
+    return Preemption(**_section(raw, "preemption", Preemption))
+
+
+def _section(raw: Any, where: str, cls: type) -> dict[str, Any]:
+    """A flat section of dataclass `cls`: its fields only; a flag must be true or false and a
+    number finite and >= 0 (a NaN would make every comparison false, and a score of NaN or a
+    negative weight would turn a preference around). Names (modes) are checked by the caller."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    fields = _fields(raw, where, set(defaults))
     for key, value in fields.items():
-        if key in flags:
+        default = defaults[key]
+        if isinstance(default, bool):
             if not isinstance(value, bool):
-                raise PolicyError(f"preemption.{key}: expected true or false, got {value!r}")
-        elif isinstance(value, bool | str) or not (0 <= value < math.inf):
-            # A NaN would make every comparison false: a guard that never fires.
-            raise PolicyError(f"preemption.{key}: expected a number >= 0, got {value!r}")
-    return Preemption(**fields)
+                raise PolicyError(f"{where}.{key}: expected true or false, got {value!r}")
+        elif isinstance(default, int | float) and (
+            isinstance(value, bool | str) or not (0 <= value < math.inf)
+        ):
+            raise PolicyError(f"{where}.{key}: expected a number >= 0, got {value!r}")
+    return fields
 
 
 def _parse_las(raw: Any) -> Las:

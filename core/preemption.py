@@ -160,7 +160,7 @@ def choose_victims(
     what_if = cap.copy()
     chosen: list[Candidate] = []
     for cand in ordered[: policy.preemption.max_victims]:
-        what_if.release(cand.alloc.replicas, cand.alloc.job.spread_group)
+        what_if.release(cand.alloc.replicas, cand.alloc.job)
         chosen.append(cand)
         if _fits(what_if, job, policy, cost_sensitivity):
             break
@@ -171,7 +171,7 @@ def choose_victims(
         if _fits(what_if, job, policy, cost_sensitivity):
             chosen.remove(cand)
         else:
-            what_if.release(cand.alloc.replicas, cand.alloc.job.spread_group)
+            what_if.release(cand.alloc.replicas, cand.alloc.job)
     return tuple(_victim(c, job) for c in sorted(chosen, key=lambda c: c.alloc.job.job_id))
 
 
@@ -371,7 +371,7 @@ class VictimSearch:
             return False
         what_if = self.cap.copy()
         for alloc in leaving:
-            what_if.release(alloc.replicas, alloc.job.spread_group)
+            what_if.release(alloc.replicas, alloc.job)
         sensitivity = self.policy.priority(job.priority_class).cost_sensitivity
         return isinstance(find_placement(what_if, job, self.policy.placement, sensitivity), Plan)
 

@@ -128,7 +128,7 @@ def _attempt(
     """The decision if, with `moved` gone, `target` fits and then each of them fits again."""
     what_if = cap.copy()
     for alloc in moved:
-        what_if.release(alloc.replicas, alloc.job.spread_group)
+        what_if.release(alloc.replicas, alloc.job)
     sensitivity = policy.priority(job.priority_class).cost_sensitivity
     plan = find_placement(what_if, target, policy.placement, sensitivity, holds[0], precise=False)
     if not isinstance(plan, Plan):

@@ -75,7 +75,7 @@ class CycleState:
         """Takes a running job out (finished, failed or preempted) and frees what it held."""
         alloc = self.running.pop(job_id)
         self._index(alloc, add=False)
-        self.cap.release(alloc.replicas, alloc.job.spread_group)
+        self.cap.release(alloc.replicas, alloc.job)
         accelerator_type = self.types_of.pop(job_id, None)
         if accelerator_type is not None:
             if alloc.job.accelerators > 0:
@@ -92,7 +92,7 @@ class CycleState:
             node = cap.index.get(r.node_id)
             if node is not None:
                 cap.take(node, r.accelerators, r.cpu, r.memory_gb, r.devices)
-        cap.count_group(alloc.job.spread_group, alloc.replicas, 1)
+        cap.count_job(alloc.job, alloc.replicas, 1)
         job = alloc.job
         first = cap.index.get(alloc.replicas[0].node_id) if alloc.replicas else None
         if first is not None:

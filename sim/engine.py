@@ -125,6 +125,7 @@ class Simulation:
         self._busy = 0.0
         # Per tenant: accelerators running now, jobs pending now, and since when both hold.
         self._tenant_rate: dict[TenantId, float] = {}
+        self._tenant_work: dict[TenantId, float] = {}
         self._tenant_pending: dict[TenantId, int] = {}
         self._tenant_since: dict[TenantId, float] = {}
         self._usage: dict[TenantId, float] = {}
@@ -234,9 +235,9 @@ class Simulation:
         if elapsed <= 0:
             return
         self._usage_at = self._now
-        for t in set(self._usage) | set(self._tenant_rate):
+        for t in set(self._usage) | set(self._tenant_work):
             past = decay(self._usage.get(t, 0.0), elapsed, half_life)
-            self._usage[t] = past + self._tenant_rate.get(t, 0.0) * elapsed
+            self._usage[t] = past + self._tenant_work.get(t, 0.0) * elapsed
         self.state.shares.set_usage(self._usage)
 
     def _start(self, alloc: Allocation) -> None:
@@ -252,11 +253,17 @@ class Simulation:
             rec.job.request.job_id,
             rec.epoch,
         )
-        self._account(alloc.job.tenant, rec.accelerators, pending=-1)
+        self._account(alloc.job.tenant, rec.accelerators, rec.speed, pending=-1)
         self._ledger(alloc, 1.0)
 
-    def _account(self, tenant: TenantId, accelerators: float, pending: int = 0) -> None:
+    def _account(
+        self, tenant: TenantId, accelerators: float, speed: float, pending: int = 0
+    ) -> None:
         self._busy += accelerators
+        # Fair share's usage is in reference accelerators, as the live scheduler's
+        # (`ShareBook.rates`); the simulator's own tallies stay in accelerators.
+        work = self._tenant_work.get(tenant, 0.0) + accelerators * speed
+        self._tenant_work[tenant] = work if abs(work) > 1e-9 else 0.0
         self._tenant_change(tenant, accelerators, pending)
 
     def _tenant_change(self, tenant: TenantId, accelerators: float = 0.0, pending: int = 0) -> None:
@@ -290,7 +297,7 @@ class Simulation:
         rec.remaining_s = 0.0
         # What the live scheduler learns from a job.finished: its service over all its runs.
         self.state.levels.record(alloc.job, rec.attained)
-        self._account(alloc.job.tenant, -rec.accelerators)
+        self._account(alloc.job.tenant, -rec.accelerators, rec.speed)
         self._ledger(alloc, -1.0)
 
     def _preempt(self, job_id: JobId) -> None:
@@ -306,7 +313,7 @@ class Simulation:
         rec.epoch += 1
         self.trace.preemptions += 1
         self.trace.lost_work += restart * rec.accelerators
-        self._account(alloc.job.tenant, -rec.accelerators, pending=1)
+        self._account(alloc.job.tenant, -rec.accelerators, rec.speed, pending=1)
         self._ledger(alloc, -1.0)
         self.state.queues.add(replace(alloc.job, queued_time=self._now), rec.attained)
 

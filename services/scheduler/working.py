@@ -210,6 +210,8 @@ def differences(kept: CycleState, fresh: CycleState) -> list[str]:
         out.append(f"spread groups: {sorted(groups)[:5]}")
     if kept.types_of != fresh.types_of:
         out.append("accelerator types of running jobs")
+    if (kept.cap.type_claimed_milli != fresh.cap.type_claimed_milli).any():
+        out.append("what type-restricted work holds per accelerator type")
     for key in set(kept.quota.used) | set(fresh.quota.used):
         if abs(kept.quota.used.get(key, 0.0) - fresh.quota.used.get(key, 0.0)) > 1e-6:
             out.append(f"quota used by {key}")

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from core.cycle import CycleResult, CycleState, decide, schedule
+from core.fleet import load_fleet
 from core.model import Snapshot
 from core.policy import LevelMode, Policy, ServiceLevels
 from core.service import Levels
@@ -41,6 +42,52 @@ def mixed(n: int, seed: int, pool_gpus: float, load: float) -> list[SimJob]:
     return sorted(jobs, key=lambda j: (j.request.submit_time, j.request.job_id))
 
 
+def typed(n: int, seed: int) -> list[SimJob]:
+    """The mixed work of `mixed`, a third of it restricted to one accelerator type that can
+    hold it, for the three-type fleet of `typed_fleet` (placement then keeps room of a type
+    for the work that needs it)."""
+    rng = random.Random(seed * 31)
+    out = []
+    for sim_job in mixed(n, seed, pool_gpus=48, load=1.2):
+        request = sim_job.request
+        fits = [
+            t for t, per in (("H100", 8), ("A100", 8), ("L4", 4)) if per >= request.accelerators
+        ]
+        if rng.random() < 0.33:
+            request = replace(request, accelerator_types=(rng.choice(fits),))
+        out.append(SimJob(request, sim_job.duration_s))
+    return out
+
+
+def typed_fleet(pol: Policy) -> tuple[dict, dict]:
+    groups = [
+        ("h", "H100", 2, 8),
+        ("a", "A100", 2, 8),
+        ("l", "L4", 4, 4),
+    ]
+    doc = {
+        "clusters": [
+            {
+                "name": "pool",
+                "location": "sim",
+                "kind": "on_prem",
+                "node_groups": [
+                    {
+                        "prefix": prefix,
+                        "count": count,
+                        "accelerator_type": type_name,
+                        "accelerators_per_node": per,
+                        "nodes_per_rack": 4,
+                        "racks_per_block": 4,
+                    }
+                    for prefix, type_name, count, per in groups
+                ],
+            }
+        ]
+    }
+    return load_fleet(doc, pol.accelerator_types)
+
+
 @pytest.mark.parametrize(
     "name,work",
     [
@@ -56,6 +103,8 @@ def mixed(n: int, seed: int, pool_gpus: float, load: float) -> list[SimJob]:
         ("learned", "mixed"),
         ("repack", "whole"),
         ("repack", "mixed"),
+        ("default", "typed"),
+        ("las", "typed"),
     ],
 )
 def test_every_cycle_decides_like_a_fresh_snapshot(
@@ -82,11 +131,14 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
         pol = variant(Policy.default(), name)
     if work == "mixed":
         jobs = mixed(400, seed=5, pool_gpus=32, load=1.2)
+    elif work == "typed":
+        jobs = typed(400, seed=5)
     else:
         jobs = synthetic(250, seed=11, pool_gpus=32, load=1.2)
-    clusters, nodes = pool_fleet("4x8", pol)
+    clusters, nodes = typed_fleet(pol) if work == "typed" else pool_fleet("4x8", pol)
     sim = Simulation(clusters, nodes, pol, jobs)
     checked = 0
+    claims_seen = False
 
     def checked_decide(state: CycleState, policy: Policy, now: float, **kw: bool) -> CycleResult:
         nonlocal checked
@@ -99,6 +151,12 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
             attained={j: state.attained[j] for j in state.attained},
         )
         levels = Levels(policy, state.levels.history)
+        # What type-restricted work holds per type is kept exactly, as a rebuild counts it.
+        fresh = CycleState.from_snapshot(snap, policy, levels)
+        assert (fresh.cap.type_claimed_milli == state.cap.type_claimed_milli).all()
+        assert (fresh.cap.type_free_milli == state.cap.type_free_milli).all()
+        nonlocal claims_seen
+        claims_seen = claims_seen or bool(state.cap.type_claimed_milli.any())
         expected = schedule(snap, policy, now, random.Random(0), levels)
         result = decide(state, policy, now, **kw)
         assert result.placements == expected.placements
@@ -115,3 +173,4 @@ def test_every_cycle_decides_like_a_fresh_snapshot(
         assert summary["preemptions"] > 0
     if name == "learned":
         assert sim.state.levels.history.epoch > 10
+    assert claims_seen == (work == "typed")

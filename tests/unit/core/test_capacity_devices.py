@@ -123,7 +123,7 @@ def test_devices_are_never_over_committed_and_a_rebuild_sees_what_the_books_do(
         elif running:
             job_id = sorted(running)[pick % len(running)]
             alloc = running.pop(job_id)
-            cap.release(alloc.replicas)
+            cap.release(alloc.replicas, alloc.job)
             (r,) = alloc.replicas
             for d in r.devices:
                 ledger[r.node_id][d] += MILLI if r.accelerators >= 1 else milli(r.accelerators)

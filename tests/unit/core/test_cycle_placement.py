@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from core.capacity import Capacity
 from core.cycle import CycleResult, schedule
-from core.model import PriceTier, TopologyLevel, WorkloadKind
+from core.model import ClusterId, NodeId, PriceTier, TopologyLevel, WorkloadKind
+from core.placement import Plan, commit
 from core.policy import Policy
 from core.reasons import ReasonCode
 from tests.unit.core.builders import cluster, gang, gpu_nodes, job, running, snapshot
@@ -129,6 +131,49 @@ def test_cheaper_effective_cost_wins_across_clusters() -> None:
     clusters = [cluster("pricey", {"H100": 9.0}), cluster("cheap", {"H100": 3.0})]
     result = run(snapshot(nodes, [job(1, job_id="x")], clusters=clusters))
     assert result.placements[0].cluster == "cheap"
+
+
+def _typed_fleet() -> tuple[dict, list]:
+    # L4 is the cheapest work per unit here, so cost alone sends flexible work to it.
+    nodes = gpu_nodes(2, gpus=4, type="L4", prefix="l") | gpu_nodes(1, type="A100", prefix="a")
+    return nodes, [cluster("c1", {"L4": 0.3, "A100": 2.0})]
+
+
+def test_flexible_work_leaves_a_type_to_the_work_restricted_to_it() -> None:
+    nodes, clusters = _typed_fleet()
+    held = running(job(4, job_id="only-l4", types=("L4",)), "c1-l-0000")
+    result = run(snapshot(nodes, [job(1, job_id="x")], [held], clusters=clusters))
+    # Work that can run only on L4 holds half of it: the flexible job goes to A100, though L4
+    # is cheaper, and leaves L4's last node to the work that has nowhere else to go.
+    assert result.placements[0].replicas[0].node_id == "c1-a-0000"
+
+
+def test_flexible_work_takes_the_cheapest_type_when_no_work_depends_on_it() -> None:
+    nodes, clusters = _typed_fleet()
+    # The same running work, but it could run anywhere: nothing to keep L4 for.
+    held = running(job(4, job_id="any", types=("L4", "A100")), "c1-l-0000")
+    result = run(snapshot(nodes, [job(1, job_id="x")], [held], clusters=clusters))
+    assert result.placements[0].replicas[0].node_id.startswith("c1-l-")
+
+
+def test_type_claims_follow_restricted_work_exactly() -> None:
+    nodes, _ = _typed_fleet()
+    cap = Capacity.build(nodes, {}, {})
+    l4 = cap.type_names.index("L4")
+    only_l4 = job(0.25, job_id="f", types=("L4",))
+    placed = commit(
+        cap, only_l4, Plan(ClusterId("c1"), ((cap.index[NodeId("c1-l-0001")], 1),)), 0.0
+    )
+    assert cap.type_claimed_milli.tolist()[l4] == 250
+    what_if = cap.copy()
+    what_if.release(placed.replicas, only_l4)
+    assert not what_if.type_claimed_milli.any()
+    assert cap.type_claimed_milli[l4] == 250  # the copy's books are its own
+    assert cap.type_free_milli[l4] == 8_000 - 250
+    # A job that accepts every type of the fleet is not restricted: it claims nothing.
+    anywhere = job(1, job_id="g", types=("A100", "L4", "H100"))
+    commit(cap, anywhere, Plan(ClusterId("c1"), ((cap.index[NodeId("c1-a-0000")], 1),)), 0.0)
+    assert cap.type_claimed_milli.sum() == 250
 
 
 def test_spot_only_for_preemptible_jobs() -> None:

@@ -46,6 +46,14 @@ def test_example_policy_exposes_what_the_queue_validates() -> None:
         ({"preemption": {"max_victims": float("nan")}}, "preemption.max_victims"),
         ({"preemption": {"repack": "yes"}}, "preemption.repack"),
         ({"preemption": {"enabled": 1}}, "preemption.enabled"),
+        # A NaN or negative weight would turn a score into nonsense or a preference around.
+        ({"placement": {"cost_weight": float("nan")}}, "placement.cost_weight"),
+        ({"placement": {"type_demand_weight": -1}}, "placement.type_demand_weight"),
+        ({"placement": {"fit_weight": "high"}}, "placement.fit_weight"),
+        ({"placement": {"spot_for_preemptible_only": 0}}, "placement.spot_for_preemptible_only"),
+        ({"fair_share": {"usage_weight": float("inf")}}, "fair_share.usage_weight"),
+        ({"backfill": {"min_reserved_accelerators": -8}}, "backfill.min_reserved_accelerators"),
+        ({"backfill": {"max_reservations": True}}, "backfill.max_reservations"),
     ],
 )
 def test_bad_policy_names_the_key(doc: dict[str, object], fragment: str) -> None:

@@ -6,7 +6,7 @@ import random
 from dataclasses import replace
 
 from core.cycle import CycleResult, schedule
-from core.fairshare import accrue, decay
+from core.fairshare import accrue_rates, decay
 from core.model import JobId, Snapshot
 from core.policy import Backfill, BackfillMode, OrderingMode, Policy
 from core.reasons import ReasonCode
@@ -110,6 +110,22 @@ def test_fair_share_puts_heavy_past_user_behind() -> None:
     assert placed(run(snapshot(gpu_nodes(1), jobs), pol)) == {"a0"}
 
 
+def test_fair_share_counts_accelerators_by_their_speed() -> None:
+    """Four H100s (relative speed 3) are more of the fleet than four L4s (0.5), though each is
+    half of its type: the tenant on the slow devices goes first."""
+    pol = policy(fast={}, slow={})
+    nodes = gpu_nodes(1, type="H100", prefix="h") | gpu_nodes(1, type="L4", prefix="l")
+    held = [
+        running(job(4, job_id="f-run", tenant="fast", types=("H100",)), "c1-h-0000"),
+        running(job(4, job_id="s-run", tenant="slow", types=("L4",)), "c1-l-0000"),
+    ]
+    jobs = [
+        job(4, job_id="f-next", tenant="fast", types=("H100",), submit=0),
+        job(4, job_id="s-next", tenant="slow", types=("H100",), submit=5),
+    ]
+    assert placed(run(snapshot(nodes, jobs, held), pol)) == {"s-next"}
+
+
 def test_fair_share_alternates_tenants_within_a_cycle() -> None:
     pol = policy(a={}, b={})
     jobs = [job(8, job_id=f"a{i}", tenant="a", submit=i) for i in range(3)]
@@ -162,6 +178,5 @@ def test_strict_fifo_blocks_the_line() -> None:
 
 def test_usage_decays_by_half_life() -> None:
     assert decay(100.0, 3600.0, 3600.0) == 50.0
-    alloc = running(job(2, job_id="x", tenant="a"), "c1-n-0000")
-    usage = accrue({"a": 100.0}, [alloc], 10.0, 3600.0)  # type: ignore[dict-item]
+    usage = accrue_rates({"a": 100.0}, {"a": 2.0}, 10.0, 3600.0)  # type: ignore[dict-item]
     assert 119.0 < usage["a"] < 120.0  # type: ignore[index]

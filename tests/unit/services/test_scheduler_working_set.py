@@ -442,7 +442,7 @@ def test_differences_names_what_drifted() -> None:
     )
     assert differences(kept, fresh) == []
     alloc = next(iter(kept.running.values()))
-    kept.cap.release(alloc.replicas)  # capacity freed while the job still runs
+    kept.cap.release(alloc.replicas, alloc.job)  # capacity freed while the job still runs
     found = differences(kept, fresh)
     assert found and found[0].startswith("free_total")
 
