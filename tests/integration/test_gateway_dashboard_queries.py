@@ -142,6 +142,11 @@ async def test_queue_wait_and_position(pool: asyncpg.Pool) -> None:
     wait = await queries.queue_wait(pool, None, T0 - timedelta(days=1))
     assert wait["n"] == 2 and wait["p50"] == pytest.approx(12.0)
     assert (await queries.queue_wait(pool, "nlp", T0 - timedelta(days=1)))["n"] == 0
+    # A window holds the waits of jobs that first started in it: a's restart at 100 s is not
+    # one (its first start, at 4 s, is before the window), b's start at 30 s is.
+    late = await queries.queue_wait(pool, None, T0 + timedelta(seconds=20))
+    assert late["n"] == 1 and late["p50"] == pytest.approx(20.0)
+    assert (await queries.queue_wait(pool, None, T0 + timedelta(seconds=50)))["n"] == 0
     d = await pool.fetchrow("SELECT * FROM gateway.jobs WHERE job_id = 'd'")
     assert await queries.pending_position(pool, d) == {"tenant": 1, "all": 2}
 

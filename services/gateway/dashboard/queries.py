@@ -303,17 +303,26 @@ async def jobs_by_state(pool: asyncpg.Pool, tenant: str | None) -> dict[str, int
 async def queue_wait(
     pool: asyncpg.Pool, tenant: str | None, since: datetime
 ) -> dict[str, float | int | None]:
-    """p50/p95 of submit -> first start for jobs that first started since `since`."""
+    """p50/p95 of submit -> first start for jobs that first started since `since`.
+
+    Only the window's starts are read (the partial index on starts by time); each one's job
+    and first start are looked up by job id (a restart is not a wait). The lateral `LIMIT 1`
+    and the scalar subquery keep those lookups per row: as plain joins the planner hashes the
+    whole jobs table and every earlier start, and the cost grows with the history (400,000
+    jobs over 60 days: 1.0 s for a 24-hour window that way, 92 ms this way)."""
     args: list[Any] = [since]
     term = _tenant_term(tenant, args, "j.tenant")
     row = await pool.fetchrow(
         "SELECT count(*) AS n,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY w) AS p50,"
         " percentile_cont(0.95) WITHIN GROUP (ORDER BY w) AS p95"
-        " FROM (SELECT extract(epoch FROM min(e.at) - min(j.submitted_at)) AS w"
-        "  FROM gateway.job_events e JOIN gateway.jobs j USING (job_id)"
-        f"  WHERE e.type = 'JobStarted' AND {term} GROUP BY e.job_id"
-        "  HAVING min(e.at) >= $1) starts",
+        " FROM (SELECT extract(epoch FROM s.at - j.submitted_at) AS w"
+        "  FROM (SELECT job_id, min(at) AS at FROM gateway.job_events"
+        "   WHERE type = 'JobStarted' AND at >= $1 GROUP BY job_id) s"
+        "  CROSS JOIN LATERAL (SELECT tenant, submitted_at FROM gateway.jobs"
+        "   WHERE job_id = s.job_id LIMIT 1) j"
+        f"  WHERE {term} AND (SELECT min(p.at) FROM gateway.job_events p"
+        "   WHERE p.job_id = s.job_id AND p.type = 'JobStarted') >= $1) starts",
         *args,
     )
     return {"n": row["n"], "p50": row["p50"], "p95": row["p95"]}
