@@ -116,8 +116,15 @@ class GatewayClient:
 
         headers = {"Authorization": f"Bearer {connection.token}"} if connection.token else {}
         self.base = connection.gateway
+        # Loading the CA bundle for certificate checks is about 50 ms of a command's start;
+        # a plain-http gateway (the dev stack's) never uses it. An https one is verified.
+        verify = not self.base.lower().startswith("http://")
         self._http = httpx.Client(
-            base_url=self.base, headers=headers, timeout=timeout, transport=transport
+            base_url=self.base,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            verify=verify,
         )
 
     def __enter__(self) -> GatewayClient:

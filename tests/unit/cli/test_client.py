@@ -132,3 +132,14 @@ def test_unreachable_gateway_says_so() -> None:
         pytest.raises(GatewayError, match="is the stack up"),
     ):
         c.jobs(None, None, 10)
+
+
+@pytest.mark.parametrize("url", ["https://gw.example", "HTTPS://gw.example:8443"])
+def test_an_https_gateway_is_verified(url: str) -> None:
+    """Only a plain-http gateway skips loading the CA bundle (a faster start); an https one
+    keeps certificate and host checks."""
+    import ssl
+
+    with GatewayClient(Connection(url, None)) as client:
+        context = client._http._transport._pool._ssl_context  # type: ignore[attr-defined]
+        assert context.verify_mode is ssl.CERT_REQUIRED and context.check_hostname
