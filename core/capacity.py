@@ -80,9 +80,10 @@ class Capacity:
     cluster_devices: FloatArray
     # Reservation number holding the node for a waiting gang, or -1.
     held: IntArray
-    # Per accelerator type (`type_names` order), in thousandths: free room, and what running
-    # work restricted to some of the fleet's types holds on it (placement keeps room of a type
-    # for the work that can run nowhere else; `core.placement`).
+    # Per accelerator type (`type_names` order), in thousandths, on usable nodes only: devices,
+    # free room, and what running work restricted to some of the fleet's types holds (placement
+    # keeps room of a type for the work that can run nowhere else; `core.placement`).
+    type_devices_milli: IntArray
     type_free_milli: IntArray
     type_claimed_milli: IntArray
     _candidates: dict[tuple[object, ...], IntArray] = field(default_factory=dict)
@@ -130,11 +131,8 @@ class Capacity:
             cluster_free=_per_cluster(ordered, cluster_names),
             cluster_devices=_per_cluster(ordered, cluster_names),
             held=np.full(len(ordered), -1, dtype=np.int64),
-            type_free_milli=np.bincount(
-                _codes([n.accelerator.type for n in ordered], type_names),
-                weights=[n.accelerators * MILLI for n in ordered],
-                minlength=len(type_names),
-            ).astype(np.int64),
+            type_devices_milli=_per_type(ordered, type_names),
+            type_free_milli=_per_type(ordered, type_names),
             type_claimed_milli=np.zeros(len(type_names), dtype=np.int64),
         )
 
@@ -287,7 +285,8 @@ class Capacity:
         cluster = self.cluster_of[node]
         self.cluster_free_milli[cluster] -= delta
         self.cluster_free[cluster] = self.cluster_free_milli[cluster] / MILLI
-        self.type_free_milli[self.type_of[node]] -= delta
+        if self.usable[node]:
+            self.type_free_milli[self.type_of[node]] -= delta
 
     def _use(self, node: int, device: int, amount: int) -> None:
         """Add `amount` thousandths to one device's use (negative: give back), keeping the
@@ -305,7 +304,8 @@ class Capacity:
         cluster = self.cluster_of[node]
         self.cluster_free_milli[cluster] -= delta
         self.cluster_free[cluster] = self.cluster_free_milli[cluster] / MILLI
-        self.type_free_milli[self.type_of[node]] -= delta
+        if self.usable[node]:
+            self.type_free_milli[self.type_of[node]] -= delta
 
     def _untouched(self, node: int, count: int) -> tuple[int, ...]:
         row = self.device_used[node, : int(self.devices[node])]
@@ -354,7 +354,7 @@ class Capacity:
             return
         for r in replicas:
             node = self.index.get(r.node_id)
-            if node is not None:
+            if node is not None and self.usable[node]:
                 self.type_claimed_milli[self.type_of[node]] += sign * milli(r.accelerators)
 
     def restricted(self, types: tuple[str, ...]) -> bool:
@@ -388,6 +388,16 @@ def _per_cluster(nodes: Sequence[Node], names: Sequence[ClusterId]) -> FloatArra
         if n.healthy:
             out[lookup[n.cluster]] += n.accelerators
     return out
+
+
+def _per_type(nodes: Sequence[Node], names: Sequence[str]) -> IntArray:
+    """Devices of usable (healthy) nodes per accelerator type, in thousandths."""
+    totals = np.zeros(len(names), dtype=np.int64)
+    codes = {name: i for i, name in enumerate(names)}
+    for n in nodes:
+        if n.healthy:
+            totals[codes[n.accelerator.type]] += n.accelerators * MILLI
+    return totals
 
 
 def _padding(nodes: Sequence[Node], width: int) -> IntArray:

@@ -242,7 +242,8 @@ TYPE_DEMAND_CAP = 3.0
 
 def _type_demand(cap: Capacity, job: JobRequest, prefs: PlacementPreferences) -> FloatArray | None:
     """Per accelerator type: how much of its free room the work that can run only on some
-    types is expected to need, relative to that room (None when it cannot change the choice).
+    types is expected to need, relative to that room (None when it cannot change the choice,
+    or must not: a job without accelerators, a replica of a spread group). Healthy nodes only.
 
     Work restricted to some types holds a share r of what runs on each type; as the rest of
     the free room fills, that work is expected to take r of it on its type. A type whose free
@@ -250,12 +251,19 @@ def _type_demand(cap: Capacity, job: JobRequest, prefs: PlacementPreferences) ->
     so work that could go elsewhere should. Exact integer books feed it, so a kept state and a
     fresh one score alike."""
     claimed = cap.type_claimed_milli
-    if prefs.type_demand_weight == 0 or len(job.accelerator_types) == 1 or not claimed.any():
+    if (
+        prefs.type_demand_weight == 0
+        or job.accelerators <= 0
+        or len(job.accelerator_types) == 1
+        # A spread group's replicas must keep apart whatever a type's demand (SPREAD_NODE).
+        or job.spread_group is not None
+        or not claimed.any()
+    ):
         return None
     free = cap.type_free_milli
     free_all = int(free.sum())
-    used = int(cap.devices.sum()) * MILLI - free_all
-    if used <= 0:
+    used = int(cap.type_devices_milli.sum()) - free_all
+    if used <= 0 or free_all < 0:
         return None
     expected = claimed.astype(np.float64) * (free_all / used)
     demand: FloatArray = np.minimum(expected / np.maximum(free, 1), TYPE_DEMAND_CAP)

@@ -228,8 +228,9 @@ class Simulation:
             self._want_cycle()  # room made in the last pass is used by the next cycle
 
     def _refresh_usage(self) -> None:
-        """Decays past usage and adds what ran since the last cycle (`core.fairshare.accrue`
-        does the same from allocations; here the running rate per tenant is already known)."""
+        """Decays past usage and adds what ran since the last cycle, in reference
+        accelerator-seconds as the live scheduler's `core.fairshare.accrue_rates` from
+        `ShareBook.rates` (here the running rate per tenant is already known)."""
         half_life = self.policy.fair_share.half_life_s
         elapsed = self._now - self._usage_at
         if elapsed <= 0:

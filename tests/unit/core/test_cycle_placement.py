@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 from core.capacity import Capacity
 from core.cycle import CycleResult, schedule
 from core.model import ClusterId, NodeId, PriceTier, TopologyLevel, WorkloadKind
-from core.placement import Plan, commit
+from core.placement import Plan, _type_demand, commit
 from core.policy import Policy
 from core.reasons import ReasonCode
 from tests.unit.core.builders import cluster, gang, gpu_nodes, job, running, snapshot
@@ -174,6 +175,28 @@ def test_type_claims_follow_restricted_work_exactly() -> None:
     anywhere = job(1, job_id="g", types=("A100", "L4", "H100"))
     commit(cap, anywhere, Plan(ClusterId("c1"), ((cap.index[NodeId("c1-a-0000")], 1),)), 0.0)
     assert cap.type_claimed_milli.sum() == 250
+
+
+def test_a_types_demand_is_reckoned_on_healthy_nodes_only() -> None:
+    """Broken devices are no room: unhealthy nodes of the restricted type must not hide its
+    shortage, nor unhealthy nodes of another type make the fleet look emptier."""
+    nodes, _ = _typed_fleet()
+    work = [running(job(4, job_id="only-l4", types=("L4",)), "c1-l-0000")]
+
+    def demand(extra: dict) -> list[float]:
+        cap = Capacity.build(nodes | extra, {}, {})
+        cap.charge(work)
+        found = _type_demand(cap, job(1), Policy.default().placement)
+        assert found is not None
+        return [round(float(found[cap.type_names.index(t)]), 6) for t in ("A100", "L4")]
+
+    healthy = demand({})
+    for type_name in ("L4", "A100"):
+        broken = {
+            k: replace(n, healthy=False)
+            for k, n in gpu_nodes(6, gpus=4, type=type_name, prefix="x").items()
+        }
+        assert demand(broken) == healthy
 
 
 def test_spot_only_for_preemptible_jobs() -> None:

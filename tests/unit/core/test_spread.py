@@ -12,7 +12,7 @@ from core.cycle import CycleResult, decide, schedule
 from core.model import JobRequest, WorkloadKind
 from core.policy import Policy
 from core.state import CycleState
-from tests.unit.core.builders import gang, gpu_nodes, job, running, snapshot
+from tests.unit.core.builders import cluster, gang, gpu_nodes, job, running, snapshot
 
 
 def replica(group: str | None, n: int, gpus: float = 1) -> JobRequest:
@@ -80,3 +80,18 @@ def test_a_kept_state_counts_the_group_as_a_rebuilt_one() -> None:
     for a in placed[1:]:
         state.release(a.job.job_id)
     assert "chat" not in state.cap.spread
+
+
+def test_a_types_demand_never_puts_two_replicas_on_one_node() -> None:
+    """Work restricted to A100 holds most of it, so flexible work would rather avoid A100; a
+    replica of a spread group still takes the A100 node over the L4 node its group is on."""
+    pol = Policy.from_dict({"placement": {"cost_weight": 2.0}})
+    nodes = gpu_nodes(1, type="L4", prefix="l") | gpu_nodes(1, type="A100", prefix="a")
+    clusters = [cluster("c1", {"A100": 2.0})]  # L4 unpriced: the cheapest there is
+    held = [
+        running(replica("g", 0), "c1-l-0000"),
+        running(job(7, job_id="a-only", types=("A100",)), "c1-a-0000"),
+    ]
+    snap = snapshot(nodes, [replica("g", 1)], held, clusters=clusters)
+    result = schedule(snap, pol, now=0.0, rng=random.Random(0))
+    assert nodes_of(result) == ["c1-a-0000"]
