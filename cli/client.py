@@ -8,13 +8,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode, urlsplit
 
 from cli.errors import GatewayError
 
-# httpx (with ssl, http.client, email, urllib.request) is a good part of `qm`'s start-up time:
-# it is imported where a request is made, so `qm --help`, `qm logs` and the like never load it.
+# The standard library's http.client is the gateway's client: httpx (with httpcore, its
+# auth and its pools) took about 60 ms of every command's start, more than the request.
 if TYPE_CHECKING:
-    import httpx
+    import http.client
+    import ssl
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8080"
 STATE_DIR_NAME = ".qm"
@@ -57,13 +59,13 @@ class Connection:
 
 
 def resolve_connection(gateway: str | None, token: str | None) -> Connection:
-    """Option (or its env var, which typer folds in) first, then stack.json, then defaults."""
+    """Option (or its env var, which click folds in) first, then stack.json, then defaults."""
     recorded = _recorded()
     url = gateway or recorded.get("gateway_url") or DEFAULT_GATEWAY
     return Connection(url.rstrip("/"), token or recorded.get("token"))
 
 
-def describe_error(response: httpx.Response) -> str:
+def describe_error(response: Response) -> str:
     """The server's ``detail`` in readable form: a string, or one line per validation error."""
     try:
         detail = response.json().get("detail", response.text)
@@ -103,50 +105,149 @@ def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
         yield json.loads("\n".join(data))
 
 
+@dataclass(frozen=True)
+class Response:
+    """A whole answer of the gateway (what the commands read of it)."""
+
+    status_code: int
+    reason_phrase: str
+    content: bytes
+    headers: dict[str, str]
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+# A connection kept open across requests may have been closed by the server in between; only
+# a request that changes nothing is sent again on a new one.
+_IDEMPOTENT = frozenset({"GET", "HEAD", "DELETE"})
+
+
 class GatewayClient:
     """The gateway's job API, one method per endpoint, errors raised as GatewayError."""
 
-    def __init__(
-        self,
-        connection: Connection,
-        timeout: float = 10.0,
-        transport: httpx.BaseTransport | None = None,  # tests pass an httpx.MockTransport
-    ) -> None:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {connection.token}"} if connection.token else {}
+    def __init__(self, connection: Connection, timeout: float = 10.0) -> None:
         self.base = connection.gateway
-        # Loading the CA bundle for certificate checks is about 50 ms of a command's start;
-        # a plain-http gateway (the dev stack's) never uses it. An https one is verified.
-        verify = not self.base.lower().startswith("http://")
-        self._http = httpx.Client(
-            base_url=self.base,
-            headers=headers,
-            timeout=timeout,
-            transport=transport,
-            verify=verify,
-        )
+        url = urlsplit(self.base)
+        scheme = url.scheme.lower()
+        if scheme not in ("http", "https") or not url.hostname:
+            raise GatewayError(f"{self.base!r} is not a gateway URL (http://host:port)")
+        self._https = scheme == "https"
+        self._host = url.hostname
+        try:
+            self._port = url.port
+        except ValueError as exc:
+            raise GatewayError(f"{self.base!r} is not a gateway URL ({exc})") from exc
+        self._prefix = url.path.rstrip("/")  # a gateway served under a path
+        self._timeout = timeout
+        self._headers = {"Accept": "application/json", "User-Agent": "qm"}
+        if connection.token:
+            self._headers["Authorization"] = f"Bearer {connection.token}"
+        # Certificates are checked against the system's CA store (SSL_CERT_FILE and
+        # SSL_CERT_DIR override it); a plain-http gateway, the dev stack's, never loads it.
+        self._context: ssl.SSLContext | None = None
+        if self._https:
+            import ssl
+
+            self._context = ssl.create_default_context()
+        self._open: http.client.HTTPConnection | None = None
 
     def __enter__(self) -> GatewayClient:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        self._http.close()
+        self.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        import httpx
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
 
+    def _connect(self, timeout: float | None) -> http.client.HTTPConnection:
+        import http.client
+
+        if self._context is not None:
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=timeout, context=self._context
+            )
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+
+    def _target(self, path: str, params: dict[str, Any] | None) -> str:
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        return self._prefix + path + (f"?{urlencode(query)}" if query else "")
+
+    def _send(
+        self,
+        connection: http.client.HTTPConnection,
+        method: str,
+        target: str,
+        body: bytes | None,
+        headers: dict[str, str],
+    ) -> http.client.HTTPResponse:
+        connection.request(method, target, body=body, headers=headers)
+        return connection.getresponse()
+
+    def _request(
+        self, method: str, path: str, params: dict[str, Any] | None, payload: Any
+    ) -> Response:
+        import http.client
+
+        headers = dict(self._headers)
+        body = None
+        if payload is not None:
+            body = json.dumps(payload).encode()
+            headers["Content-Type"] = "application/json"
+        target = self._target(path, params)
+        reused = self._open is not None
         try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
+            if self._open is None:
+                self._open = self._connect(self._timeout)
+            try:
+                answer = self._send(self._open, method, target, body, headers)
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if not reused or method not in _IDEMPOTENT:
+                    raise
+                self.close()  # the server closed the kept connection; once more on a new one
+                self._open = self._connect(self._timeout)
+                answer = self._send(self._open, method, target, body, headers)
+            content = answer.read()
+            if answer.will_close:
+                self.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
             raise GatewayError(
-                f"cannot reach the gateway at {self.base} ({exc}); is the stack up? (qm up)"
+                f"cannot reach the gateway at {self.base} ({_reason(exc)}); "
+                "is the stack up? (qm up)"
             ) from exc
+        return Response(
+            answer.status,
+            answer.reason,
+            content,
+            {k.lower(): v for k, v in answer.getheaders()},
+        )
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json: Any = None,
+    ) -> Any:
+        response = self._request(method, path, params, json)
         self._raise_for(response)
         return response.json() if response.content else {}
 
     @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
+    def _raise_for(response: Response) -> None:
         if response.is_success:
             return
         message = describe_error(response)
@@ -198,15 +299,40 @@ class GatewayClient:
 
     def events(self, job_id: str) -> Iterator[dict[str, Any]]:
         """Follow a job's lifecycle events as they happen (no read timeout: they may be rare)."""
-        import httpx
+        import http.client
 
-        timeout = httpx.Timeout(10.0, read=None)
-        path = f"/v1/jobs/{job_id}/events"
+        target = self._target(f"/v1/jobs/{job_id}/events", {"follow": "true"})
+        headers = {**self._headers, "Accept": "text/event-stream"}
+        stream = self._connect(self._timeout)
         try:
-            with self._http.stream("GET", path, params={"follow": "true"}, timeout=timeout) as r:
-                if not r.is_success:
-                    r.read()
-                    self._raise_for(r)
-                yield from parse_sse(r.iter_lines())
-        except httpx.HTTPError as exc:
-            raise GatewayError(f"event stream from {self.base} broke off ({exc})") from exc
+            try:
+                stream.request("GET", target, headers=headers)
+                if stream.sock is not None:
+                    stream.sock.settimeout(None)
+                answer = stream.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                raise GatewayError(
+                    f"cannot reach the gateway at {self.base} ({_reason(exc)}); "
+                    "is the stack up? (qm up)"
+                ) from exc
+            if not 200 <= answer.status < 300:
+                content = answer.read()
+                headers_seen = {k.lower(): v for k, v in answer.getheaders()}
+                self._raise_for(Response(answer.status, answer.reason, content, headers_seen))
+            try:
+                yield from parse_sse(_lines(answer))
+            except (OSError, http.client.HTTPException) as exc:
+                raise GatewayError(
+                    f"event stream from {self.base} broke off ({_reason(exc)})"
+                ) from exc
+        finally:
+            stream.close()
+
+
+def _lines(answer: http.client.HTTPResponse) -> Iterator[str]:
+    while line := answer.readline():
+        yield line.decode("utf-8", "replace").rstrip("\r\n")
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

@@ -4,9 +4,9 @@ drops or whose model turns unhealthy."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import typer
+import click
 
 from cli.client import state_dir
 
@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 
     from cli.stack import Service
 
-fault_app = typer.Typer(
-    help="Inject faults into the simulated fleet (demos and tests).", no_args_is_help=True
-)
+
+@click.group("fault")
+def fault() -> None:
+    """Inject faults into the simulated fleet (demos and tests)."""
 
 
 def _executors(key: str = "QM_EXECUTOR_CLUSTER") -> dict[str, Service]:
@@ -29,7 +30,7 @@ def _executors(key: str = "QM_EXECUTOR_CLUSTER") -> dict[str, Service]:
 
     stack = Stack.load(state_dir())
     if stack is None:
-        raise typer.BadParameter("no stack is running here (start one with `qm up`)")
+        raise click.BadParameter("no stack is running here (start one with `qm up`)")
     return {s.extra_env[key]: s for s in stack.services if key in s.extra_env}
 
 
@@ -38,7 +39,7 @@ def _owner(executors: dict[str, Service], node_id: str) -> Service:
     name, and the longest matching name wins."""
     owners = sorted((c for c in executors if node_id.startswith(f"{c}-")), key=len)
     if not owners:
-        raise typer.BadParameter(f"no cluster of this stack has a node {node_id}")
+        raise click.BadParameter(f"no cluster of this stack has a node {node_id}")
     return executors[owners[-1]]
 
 
@@ -54,24 +55,22 @@ def _post(service: Service, path: str, body: dict[str, object]) -> None:
 
 def _report(r: httpx.Response) -> None:
     if r.status_code >= 400:
-        typer.echo(f"refused: {r.json().get('detail', r.text)}", err=True)
-        raise typer.Exit(1)
-    typer.echo(r.json())
+        click.echo(f"refused: {r.json().get('detail', r.text)}", err=True)
+        raise click.exceptions.Exit(1)
+    click.echo(r.json())
 
 
-@fault_app.command("node")
-def node(
-    node_id: Annotated[str, typer.Argument(help="e.g. onprem-h100-h100-0003")],
-    xid: Annotated[int, typer.Option(help="GPU XID code (79: fell off the bus)")] = 79,
-    kind: Annotated[
-        str,
-        typer.Option(
-            help="gpu_xid, ecc_uncorrectable, thermal_throttle, "
-            "nvlink_down, pcie_error or disk_full"
-        ),
-    ] = "gpu_xid",
-) -> None:
-    """Make a node report a hardware error, as its own agent would."""
+@fault.command("node")
+@click.argument("node_id")
+@click.option("--xid", type=int, default=79, help="GPU XID code (79: fell off the bus)")
+@click.option(
+    "--kind",
+    default="gpu_xid",
+    help="gpu_xid, ecc_uncorrectable, thermal_throttle, nvlink_down, pcie_error or disk_full",
+)
+def node(node_id: str, xid: int, kind: str) -> None:
+    """Make node NODE_ID (e.g. onprem-h100-h100-0003) report a hardware error, as its own
+    agent would."""
     _post(
         _owner(_executors(), node_id),
         "/faults/node",
@@ -79,80 +78,76 @@ def node(
     )
 
 
-@fault_app.command("slow")
-def slow(
-    node_id: Annotated[str, typer.Argument(help="e.g. onprem-h100-h100-0003")],
-    factor: Annotated[
-        float, typer.Option(min=1.0, help="steps take this many times longer; 1 clears it")
-    ] = 3.0,
-) -> None:
-    """Make a node a straggler: replicas there report slower steps (job.progress)."""
+@fault.command("slow")
+@click.argument("node_id")
+@click.option(
+    "--factor",
+    type=click.FloatRange(min=1.0),
+    default=3.0,
+    help="steps take this many times longer; 1 clears it",
+)
+def slow(node_id: str, factor: float) -> None:
+    """Make node NODE_ID a straggler: replicas there report slower steps (job.progress)."""
     _post(_owner(_executors(), node_id), "/faults/slow", {"node_id": node_id, "factor": factor})
 
 
-@fault_app.command("random")
-def random_faults(
-    rate: Annotated[
-        float, typer.Option(min=0.0, help="faults per fleet hour, per cluster; 0 stops")
-    ],
-    seed: Annotated[
-        int | None, typer.Option(help="same seed, same sequence of faults (default: random)")
-    ] = None,
-    cluster: Annotated[
-        str | None, typer.Option(help="only this cluster (default: every cluster)")
-    ] = None,
-) -> None:
+@fault.command("random")
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0.0),
+    required=True,
+    help="faults per fleet hour, per cluster; 0 stops",
+)
+@click.option("--seed", type=int, help="same seed, same sequence of faults (default: random)")
+@click.option("--cluster", help="only this cluster (default: every cluster)")
+def random_faults(rate: float, seed: int | None, cluster: str | None) -> None:
     """Start (or stop) seeded random faults on the simulated fleet.
 
     Critical XIDs, bursts of transient signals and stragglers on random nodes, at a rate in
     fleet time; the same seed replays the same sequence of faults."""
     executors = _executors()
     if cluster is not None and cluster not in executors:
-        raise typer.BadParameter(
+        raise click.BadParameter(
             f"unknown cluster {cluster}; known: {', '.join(sorted(executors))}"
         )
     for name in [cluster] if cluster is not None else sorted(executors):
         _post(executors[name], "/faults/random", {"rate_per_hour": rate, "seed": seed})
 
 
-@fault_app.command("cluster")
-def cluster(
-    name: Annotated[str, typer.Argument(help="cluster name, as in the fleet file")],
-    state: Annotated[str, typer.Argument(help="down (stop heartbeating) or up")],
-) -> None:
-    """Take a whole cluster dark (its heartbeats stop) or bring it back."""
+@fault.command("cluster")
+@click.argument("name")
+@click.argument("state", type=click.Choice(["down", "up"]))
+def cluster(name: str, state: str) -> None:
+    """Take cluster NAME (as in the fleet file) dark, STATE down (its heartbeats stop), or
+    bring it back (up)."""
     executors = _executors()
     if name not in executors:
-        raise typer.BadParameter(f"unknown cluster {name}; known: {', '.join(sorted(executors))}")
+        raise click.BadParameter(f"unknown cluster {name}; known: {', '.join(sorted(executors))}")
     _post(executors[name], "/faults/cluster", {"state": state})
 
 
-@fault_app.command("robot")
-def robot(
-    robot_id: Annotated[str, typer.Argument(help="e.g. lab-a-003")],
-    offline: Annotated[
-        bool | None,
-        typer.Option(
-            "--offline/--online",
-            help="take its link down (it misses rollouts until back) or bring it back",
-            show_default=False,
-        ),
-    ] = None,
-    unhealthy: Annotated[
-        bool | None,
-        typer.Option(
-            "--unhealthy/--healthy",
-            help="make the models it runs report unhealthy (a rollout that reached it rolls "
-            "back), or clear that",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
-    """Take a robot's link down or up, or make its model unhealthy or healthy again."""
+@fault.command("robot")
+@click.argument("robot_id")
+@click.option(
+    "--offline/--online",
+    default=None,
+    help="take its link down (it misses rollouts until back) or bring it back",
+    show_default=False,
+)
+@click.option(
+    "--unhealthy/--healthy",
+    default=None,
+    help="make the models it runs report unhealthy (a rollout that reached it rolls "
+    "back), or clear that",
+    show_default=False,
+)
+def robot(robot_id: str, offline: bool | None, unhealthy: bool | None) -> None:
+    """Take the link of robot ROBOT_ID (e.g. lab-a-003) down or up, or make its model
+    unhealthy or healthy again."""
     import httpx
 
     if offline is None and unhealthy is None:
-        raise typer.BadParameter("give --offline or --online, and/or --unhealthy or --healthy")
+        raise click.BadParameter("give --offline or --online, and/or --unhealthy or --healthy")
     body: dict[str, object] = {
         "robot": robot_id,
         "link": None if offline is None else ("offline" if offline else "online"),
@@ -160,7 +155,7 @@ def robot(
     }
     fleets = _executors("QM_EDGE_FLEET")
     if not fleets:
-        raise typer.BadParameter("this stack runs no robot fleet (no edge executor)")
+        raise click.BadParameter("this stack runs no robot fleet (no edge executor)")
     unreachable = []
     for fleet in sorted(fleets):  # a robot is in one fleet: the others answer 404
         try:
@@ -174,4 +169,4 @@ def robot(
     message = f"no robot fleet of this stack ({', '.join(sorted(fleets))}) has a robot {robot_id}"
     if unreachable:
         message += f"; the edge executor of {', '.join(unreachable)} did not answer (qm ps)"
-    raise typer.BadParameter(message)
+    raise click.BadParameter(message)

@@ -8,9 +8,9 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+import click
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -18,7 +18,8 @@ from rich.text import Text
 from cli import render
 from cli.client import GatewayClient
 from cli.errors import GatewayError
-from cli.jobs import GatewayOption, JsonOption, TokenOption, gateway
+from cli.jobs import gateway
+from cli.params import gateway_options, json_option
 
 console = Console()
 
@@ -126,14 +127,11 @@ def queues_view(report: Mapping[str, Any]) -> Group:
     return Group(summary, quotas, footer)
 
 
-def queues(
-    hours: Annotated[
-        float | None, typer.Option(help="Window of wait times and preemptions (default 24).")
-    ] = None,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.option("--hours", type=float, help="Window of wait times and preemptions (default 24).")
+@json_option
+@gateway_options
+def queues(hours: float | None, as_json: bool, url: str | None, token: str | None) -> None:
     """Each tenant's quota, usage, borrowing, pending work, fair share and queue wait."""
     with gateway(url, token) as client:
         report = client.queues(hours)
@@ -165,20 +163,21 @@ def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
     return table
 
 
+@click.command()
+@click.option("--cluster", help="Only this cluster.")
+@click.option("--type", "accelerator_type", help="Only this accelerator type.")
+@click.option(
+    "--state", help="Only nodes in this state: idle, partial, allocated, quarantined, cordoned."
+)
+@json_option
+@gateway_options
 def nodes(
-    cluster: Annotated[str | None, typer.Option(help="Only this cluster.")] = None,
-    accelerator_type: Annotated[
-        str | None, typer.Option("--type", help="Only this accelerator type.")
-    ] = None,
-    state: Annotated[
-        str | None,
-        typer.Option(
-            help="Only nodes in this state: idle, partial, allocated, quarantined, cordoned."
-        ),
-    ] = None,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
+    cluster: str | None,
+    accelerator_type: str | None,
+    state: str | None,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
 ) -> None:
     """The fleet's nodes: state, idle devices and one mark per device."""
     with gateway(url, token) as client:
@@ -230,12 +229,11 @@ def node_view(detail: Mapping[str, Any]) -> Group:
     return Group(grid, Text(), jobs, health)
 
 
-def node(
-    node_id: Annotated[str, typer.Argument(help="Node id.")],
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.argument("node_id")
+@json_option
+@gateway_options
+def node(node_id: str, as_json: bool, url: str | None, token: str | None) -> None:
     """One node: its devices, the jobs on it and its health history."""
     with gateway(url, token) as client:
         detail = client.node(node_id)
@@ -330,12 +328,11 @@ def live(
             view.update(draw(), refresh=True)
 
 
-def top(
-    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
-    every: Annotated[float, typer.Option(help="Seconds between refreshes.")] = REFRESH_S,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option("--every", type=float, default=REFRESH_S, help="Seconds between refreshes.")
+@gateway_options
+def top(once: bool, every: float, url: str | None, token: str | None) -> None:
     """A live view of the fleet and the queues, refreshed every 2 s; Ctrl-C leaves."""
     with gateway(url, token) as client:
         if once:
@@ -343,10 +340,3 @@ def top(
             return
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is the way out
             live(lambda: _frame_or_error(client), every_s=max(every, 0.5), sleep=time.sleep)
-
-
-def register(app: typer.Typer) -> None:
-    app.command("queues")(queues)
-    app.command("nodes")(nodes)
-    app.command("node")(node)
-    app.command("top")(top)

@@ -8,28 +8,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+import click
 from rich.console import Console
 from rich.text import Text
 
 from cli import render
 from cli.client import TERMINAL_STATES, GatewayClient, resolve_connection
 from cli.errors import GatewayError, QmError
+from cli.params import gateway_options, json_option, path_type
 
 console = Console()
 errors = Console(stderr=True)
-
-GatewayOption = Annotated[
-    str | None,
-    typer.Option("--gateway", envvar="QM_GATEWAY_URL", help="Gateway URL.", show_default=False),
-]
-TokenOption = Annotated[
-    str | None,
-    typer.Option("--token", envvar="QM_TOKEN", help="Bearer token.", show_default=False),
-]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the raw JSON answer.")]
 
 
 # --- job files ---------------------------------------------------------------------------
@@ -87,7 +78,7 @@ def gateway(url: str | None, token: str | None) -> Iterator[GatewayClient]:
             yield client
     except QmError as exc:
         errors.print(f"[red]error:[/red] {exc}", highlight=False)
-        raise typer.Exit(1) from exc
+        raise click.exceptions.Exit(1) from exc
 
 
 def _wait_until_decided(client: GatewayClient, job_id: str, timeout: float) -> dict[str, Any]:
@@ -109,13 +100,14 @@ def _wait_until_decided(client: GatewayClient, job_id: str, timeout: float) -> d
 # --- commands ----------------------------------------------------------------------------
 
 
-def submit(
-    file: Annotated[Path, typer.Option("-f", "--file", help="Job YAML file.", exists=True)],
-    wait: Annotated[bool, typer.Option("--wait", help="Wait until queued or rejected.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds --wait waits.")] = 60.0,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.option(
+    "-f", "--file", "file", type=path_type(exists=True), required=True, help="Job YAML file."
+)
+@click.option("--wait", is_flag=True, help="Wait until queued or rejected.")
+@click.option("--timeout", type=float, default=60.0, help="Seconds --wait waits.")
+@gateway_options
+def submit(file: Path, wait: bool, timeout: float, url: str | None, token: str | None) -> None:
     """Submit the job(s) in a YAML file; print each job id."""
     rejected = False
     with gateway(url, token) as client:
@@ -131,15 +123,14 @@ def submit(
                 line.append(f"  {job.get('reason_code') or ''}  {job.get('message') or ''}")
             console.print(line)
     if rejected:
-        raise typer.Exit(1)
+        raise click.exceptions.Exit(1)
 
 
-def status(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.argument("job_id")
+@json_option
+@gateway_options
+def status(job_id: str, as_json: bool, url: str | None, token: str | None) -> None:
     """Show a job: state, reason, placement and its event history."""
     with gateway(url, token) as client:
         job = client.job(job_id)
@@ -154,13 +145,19 @@ def status(
             console.print(f"capacity: {why['growing']['message']}", highlight=False)
 
 
+@click.command("list")
+@click.option("--state", help="Only jobs in this state.")
+@click.option("--queue", help="Only jobs in this queue.")
+@click.option("--limit", type=int, default=50, help="At most this many jobs.")
+@json_option
+@gateway_options
 def list_jobs(
-    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
-    queue: Annotated[str | None, typer.Option(help="Only jobs in this queue.")] = None,
-    limit: Annotated[int, typer.Option(help="At most this many jobs.")] = 50,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
+    state: str | None,
+    queue: str | None,
+    limit: int,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
 ) -> None:
     """List your jobs (all tenants' for admin), newest first."""
     with gateway(url, token) as client:
@@ -171,11 +168,10 @@ def list_jobs(
         console.print(render.jobs_table(jobs))
 
 
-def cancel(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.argument("job_id")
+@gateway_options
+def cancel(job_id: str, url: str | None, token: str | None) -> None:
     """Ask for a job to be canceled (works in every state)."""
     with gateway(url, token) as client:
         answer = client.cancel(job_id)
@@ -183,11 +179,10 @@ def cancel(
     console.print(line.append_text(render.state_text(answer.get("state", "cancel_requested"))))
 
 
-def watch(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.argument("job_id")
+@gateway_options
+def watch(job_id: str, url: str | None, token: str | None) -> None:
     """Follow a job's lifecycle events live until it ends (Ctrl-C to stop watching)."""
     try:
         with gateway(url, token) as client:
@@ -196,22 +191,15 @@ def watch(
                 if event.get("state") in TERMINAL_STATES:
                     return
     except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        raise click.exceptions.Exit(130) from None
     errors.print("[yellow]the event stream ended before the job did[/yellow]")
-    raise typer.Exit(1)
+    raise click.exceptions.Exit(1)
 
 
-def explain(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.argument("job_id")
+@gateway_options
+def explain(job_id: str, url: str | None, token: str | None) -> None:
     """Why is this job where it is (e.g. still pending)?"""
     with gateway(url, token) as client:
         console.print(render.explanation(client.explain(job_id)))
-
-
-def register(app: typer.Typer) -> None:
-    for command in (submit, status, cancel, watch, explain):
-        app.command()(command)
-    app.command("list")(list_jobs)

@@ -1,33 +1,30 @@
 """The `qm` command: the dev stack (up, down, ps, logs) and the job commands, wired together.
 
-`qm` should start quickly, and most commands only talk to the gateway: the dev stack's machinery
-(cli.stack and what it imports), httpx and the simulator's modules are imported inside the
-commands that use them. tests/unit/cli/test_startup.py keeps it that way.
+`qm` should start quickly, and most commands only talk to the gateway. It is built on click
+alone, and the root group imports a command's module only when that command is run (or the full
+help is shown): `qm list` loads the job commands, the HTTP client and nothing of the dev stack's
+machinery, the simulator, numpy or the platform's services. tests/unit/cli/test_startup.py keeps
+it that way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import typer
+import click
 from rich.console import Console
 
-from cli import fleet as fleet_command
-from cli import jobs, render
-from cli import pools as pools_command
-from cli import robots as robots_command
-from cli import services as services_command
-from cli import traces as trace_command
-from cli import usage as usage_command
+from cli import render
 from cli.client import state_dir
 from cli.errors import QmError, StackError
-from cli.faults import fault_app
+from cli.params import path_type
 
 if TYPE_CHECKING:
     import httpx
@@ -35,20 +32,77 @@ if TYPE_CHECKING:
 
     from cli.stack import Stack
 
-app = typer.Typer(
-    name="qm",
-    help="Quartermaster: schedule ML jobs on a fleet of accelerator clusters.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
+# Commands defined in other modules, in the order `qm --help` lists them after the stack's own:
+# name -> "module:attribute" of a click command or group.
+LAZY_COMMANDS = {
+    "submit": "cli.jobs:submit",
+    "status": "cli.jobs:status",
+    "cancel": "cli.jobs:cancel",
+    "watch": "cli.jobs:watch",
+    "explain": "cli.jobs:explain",
+    "list": "cli.jobs:list_jobs",
+    "usage": "cli.usage:usage",
+    "pools": "cli.pools:pools",
+    "queues": "cli.fleet:queues",
+    "nodes": "cli.fleet:nodes",
+    "node": "cli.fleet:node",
+    "top": "cli.fleet:top",
+    "serve": "cli.services:serve",
+    "services": "cli.services:services",
+    "scale": "cli.services:scale",
+    "unserve": "cli.services:unserve",
+    "rollout": "cli.services:rollout",
+    "robots": "cli.robots:robots",
+    "deploy": "cli.robots:deploy",
+    "deployments": "cli.robots:deployments",
+    "deployment": "cli.robots:deployment",
+    "trace": "cli.traces:trace",
+    "fault": "cli.faults:fault",
+    # The simulator is optional: `qm` works without it (sim.cli defers its heavy imports).
+    "sim": "sim.cli:sim",
+}
+OPTIONAL_MODULES = frozenset({"sim.cli"})
+
+
+class LazyGroup(click.Group):
+    """A group whose commands in `LAZY_COMMANDS` are imported when first asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*self.commands, *(name for name in LAZY_COMMANDS if name not in self.commands)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands or cmd_name not in LAZY_COMMANDS:
+            return self.commands.get(cmd_name)
+        module_name, _, attribute = LAZY_COMMANDS[cmd_name].partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            if module_name in OPTIONAL_MODULES and exc.name == module_name.partition(".")[0]:
+                return None
+            raise
+        command = getattr(module, attribute)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{LAZY_COMMANDS[cmd_name]} is not a click command")
+        self.commands[cmd_name] = command
+        return command
+
+
+@click.group(
+    "qm",
+    cls=LazyGroup,
+    context_settings={"show_default": True},
 )
+def app() -> None:
+    """Quartermaster: schedule ML jobs on a fleet of accelerator clusters."""
+
+
 console = Console()
 errors = Console(stderr=True)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
     errors.print(f"[red]error:[/red] {message}", highlight=False)
-    raise typer.Exit(code)
+    raise click.exceptions.Exit(code)
 
 
 def _example(path: Path) -> Path:
@@ -118,21 +172,31 @@ def _summary(stack: Stack) -> Panel:
 
 
 @app.command()
+@click.option("--detach", "-d", is_flag=True, help="Return, leave it running.")
+@click.option("--port", type=int, default=8080, help="Gateway (REST API) port.")
+@click.option("--time-scale", type=float, default=60.0, help="Virtual seconds per real second.")
+@click.option("--fleet", type=path_type(), default="examples/fleet.yaml", help="Fleet file.")
+@click.option("--policy", type=path_type(), default="examples/policy.yaml", help="Policy file.")
+@click.option("--auth", type=path_type(), default="examples/auth.yaml", help="Auth (tokens) file.")
+@click.option(
+    "--keep-data/--no-keep-data",
+    default=False,
+    help="Keep the database even when the broker starts empty.",
+)
+@click.option(
+    "--trace/--no-trace",
+    default=True,
+    help="Write every job's trace under the state directory (qm trace).",
+)
 def up(
-    detach: Annotated[
-        bool, typer.Option("--detach", "-d", help="Return, leave it running.")
-    ] = False,
-    port: Annotated[int, typer.Option(help="Gateway (REST API) port.")] = 8080,
-    time_scale: Annotated[float, typer.Option(help="Virtual seconds per real second.")] = 60.0,
-    fleet: Annotated[Path, typer.Option(help="Fleet file.")] = Path("examples/fleet.yaml"),
-    policy: Annotated[Path, typer.Option(help="Policy file.")] = Path("examples/policy.yaml"),
-    auth: Annotated[Path, typer.Option(help="Auth (tokens) file.")] = Path("examples/auth.yaml"),
-    keep_data: Annotated[
-        bool, typer.Option(help="Keep the database even when the broker starts empty.")
-    ] = False,
-    trace: Annotated[
-        bool, typer.Option(help="Write every job's trace under the state directory (qm trace).")
-    ] = True,
+    detach: bool,
+    port: int,
+    time_scale: float,
+    fleet: Path,
+    policy: Path,
+    auth: Path,
+    keep_data: bool,
+    trace: bool,
 ) -> None:
     """Start Kafka, PostgreSQL, Redis and every service; Ctrl-C stops everything."""
     from cli.stack import Stack
@@ -190,9 +254,8 @@ def _supervise(stack: Stack) -> None:
 
 
 @app.command()
-def down(
-    timeout: Annotated[float, typer.Option(help="Seconds before SIGKILL.")] = 10.0,
-) -> None:
+@click.option("--timeout", type=float, default=10.0, help="Seconds before SIGKILL.")
+def down(timeout: float) -> None:
     """Stop the stack started by `qm up` (also after a crash); leave the machine's servers."""
     from cli.stack import STATE_FILE
 
@@ -282,12 +345,12 @@ def _log_path(name: str) -> Path:
 
 
 @app.command()
-def logs(
-    service: Annotated[str, typer.Argument(help="Service (gateway, queue, …) or server.")],
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing.")] = False,
-    lines: Annotated[int, typer.Option("--lines", "-n", help="Last N lines; 0 = all.")] = 100,
-) -> None:
-    """Print a service's log (the last lines; -f to follow it)."""
+@click.argument("service")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing.")
+@click.option("--lines", "-n", type=int, default=100, help="Last N lines; 0 = all.")
+def logs(service: str, follow: bool, lines: int) -> None:
+    """Print the log of SERVICE (gateway, queue, ... or a server): the last lines; -f to follow
+    it."""
     path = _log_path(service)
     text = path.read_bytes().decode(errors="replace").splitlines()
     for line in text[-lines:] if lines else text:
@@ -316,24 +379,6 @@ def _follow(path: Path) -> None:
                 log = path.open("rb")
     finally:
         log.close()
-
-
-# Registered last so that `qm --help` lists the stack commands first.
-jobs.register(app)
-app.command("usage")(usage_command.usage)
-app.command("pools")(pools_command.pools)
-fleet_command.register(app)
-services_command.register(app)
-robots_command.register(app)
-trace_command.register(app)
-app.add_typer(fault_app, name="fault")
-
-try:  # the simulator is optional: `qm` works without it (sim.cli defers its heavy imports)
-    from sim.cli import sim_app  # type: ignore[import-not-found, unused-ignore]
-except ImportError:
-    pass
-else:
-    app.add_typer(sim_app, name="sim", help="Run the simulator on the scheduling core.")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import click
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from cli.jobs import GatewayOption, JsonOption, TokenOption, gateway
+from cli.jobs import gateway
+from cli.params import gateway_options, json_option
 
 console = Console()
 
@@ -57,9 +59,10 @@ def pools_view(report: dict[str, Any]) -> Group:
     return Group(table, shapes, footer)
 
 
-def pools(
-    as_json: JsonOption = False, url: GatewayOption = None, token: TokenOption = None
-) -> None:
+@click.command()
+@json_option
+@gateway_options
+def pools(as_json: bool, url: str | None, token: str | None) -> None:
     """Show the elastic node pools: size, nodes coming, last decision, waiting demand."""
     with gateway(url, token) as client:
         report = client.pools()

@@ -26,17 +26,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import typer
+import click
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from cli import services
 from cli.errors import GatewayError
-from cli.jobs import GatewayOption, JsonOption, TokenOption
+from cli.params import gateway_options, json_option
 from cli.render import when
 from cli.services import _accepted, _cell, _print_json
 
@@ -113,7 +113,7 @@ def gateway(url: str | None, token: str | None) -> Iterator[RobotClient]:
 def _pair(text: str, option: str, example: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip() or not value.strip():
-        raise typer.BadParameter(f"{text!r}: write key=value, e.g. {example}", param_hint=option)
+        raise click.BadParameter(f"{text!r}: write key=value, e.g. {example}", param_hint=option)
     return key.strip(), value.strip()
 
 
@@ -124,7 +124,7 @@ def selector(text: str) -> str | dict[str, Any]:
         return {}
     parts = [p for p in text.split(",") if p.strip()]
     if not parts:
-        raise typer.BadParameter(
+        raise click.BadParameter(
             f"an empty selector; `--to {EVERY_ROBOT}` selects every robot", param_hint="--to"
         )
     for part in parts:
@@ -146,7 +146,7 @@ def model_version(text: str) -> tuple[str, str]:
                 "starting with a letter or digit"
             )
     if problem:
-        raise typer.BadParameter(f"{text!r}: {problem}", param_hint="MODEL:VERSION")
+        raise click.BadParameter(f"{text!r}: {problem}", param_hint="MODEL:VERSION")
     return model, version
 
 
@@ -166,14 +166,14 @@ def labels(pairs: Sequence[str]) -> dict[str, str]:
     for text in pairs:
         key, value = _pair(text, "--label", "team=perception")
         if key in given:
-            raise typer.BadParameter(f"label {key} given twice", param_hint="--label")
+            raise click.BadParameter(f"label {key} given twice", param_hint="--label")
         given[key] = value
     return given
 
 
 def _share(value: float, option: str) -> float:
     if not 0 < value <= 1:
-        raise typer.BadParameter(
+        raise click.BadParameter(
             f"{value:g} is not a share of the robots: above 0, at most 1", param_hint=option
         )
     return value
@@ -318,21 +318,12 @@ def deployment_view(view: Mapping[str, Any]) -> Group:
 
 # --- commands ------------------------------------------------------------------------------
 
-NameArgument = Annotated[str, typer.Argument(help="Deployment name.", show_default=False)]
-RobotArgument = Annotated[str, typer.Argument(help="Robot id, e.g. lab-a-003.", show_default=False)]
 
-
-def robots(
-    to: Annotated[
-        str | None,
-        typer.Option(
-            "--to", help="Only these robots: site=lab-a,robot_model=mk2.", show_default=False
-        ),
-    ] = None,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.option("--to", help="Only these robots: site=lab-a,robot_model=mk2.")
+@json_option
+@gateway_options
+def robots(to: str | None, as_json: bool, url: str | None, token: str | None) -> None:
     """List the robots of every robot fleet: link, versions running, health; how many online."""
     chosen = selector(to) if to is not None else {}
     query = chosen if isinstance(chosen, str) else None  # None (or `all`): every robot
@@ -348,45 +339,41 @@ def robots(
     console.print(f"{online} of {total} online{where}", highlight=False)
 
 
+@click.command()
+@click.argument("target", metavar="MODEL:VERSION")
+@click.option(
+    "--to",
+    required=True,
+    help=f"Which robots: site=lab-a,robot_model=mk2 (`{EVERY_ROBOT}`: every robot).",
+)
+@click.option("--name", help="Deployment name (default: the model's, as a DNS label).")
+@click.option(
+    "--canary", type=float, default=CANARY_SHARE, help="Share of the robots in the first wave."
+)
+@click.option(
+    "--wave", type=float, default=WAVE_SHARE, help="Share of the robots in each further wave."
+)
+@click.option(
+    "--soak",
+    type=click.FloatRange(0, MAX_SOAK_S),
+    default=SOAK_S,
+    help="Seconds healthy before the next wave.",
+)
+@click.option("--label", multiple=True, help="key=value, repeatable.")
+@gateway_options
 def deploy(
-    target: Annotated[
-        str,
-        typer.Argument(metavar="MODEL:VERSION", help="e.g. detector:v2.", show_default=False),
-    ],
-    to: Annotated[
-        str,
-        typer.Option(
-            "--to",
-            help=f"Which robots: site=lab-a,robot_model=mk2 (`{EVERY_ROBOT}`: every robot).",
-            show_default=False,
-        ),
-    ],
-    name: Annotated[
-        str | None,
-        typer.Option(
-            "--name",
-            help="Deployment name (default: the model's, as a DNS label).",
-            show_default=False,
-        ),
-    ] = None,
-    canary: Annotated[
-        float, typer.Option("--canary", help="Share of the robots in the first wave.")
-    ] = CANARY_SHARE,
-    wave: Annotated[
-        float, typer.Option("--wave", help="Share of the robots in each further wave.")
-    ] = WAVE_SHARE,
-    soak: Annotated[
-        float,
-        typer.Option("--soak", min=0, max=MAX_SOAK_S, help="Seconds healthy before the next wave."),
-    ] = SOAK_S,
-    label: Annotated[
-        list[str] | None,
-        typer.Option("--label", help="key=value, repeatable.", show_default=False),
-    ] = None,
-    url: GatewayOption = None,
-    token: TokenOption = None,
+    target: str,
+    to: str,
+    name: str | None,
+    canary: float,
+    wave: float,
+    soak: float,
+    label: tuple[str, ...],
+    url: str | None,
+    token: str | None,
 ) -> None:
-    """Deploy a model version to robots, in waves gated by their health (a canary first).
+    """Deploy a model version (MODEL:VERSION, e.g. detector:v2) to robots, in waves gated by
+    their health (a canary first).
 
     Deploying the same name again with a new version rolls that version out the same way."""
     model, version = model_version(target)
@@ -398,7 +385,7 @@ def deploy(
         "canary_share": _share(canary, "--canary"),
         "wave_share": _share(wave, "--wave"),
         "soak_s": soak,
-        "labels": labels(label or []),
+        "labels": labels(label),
     }
     with gateway(url, token) as client:
         try:
@@ -412,15 +399,13 @@ def deploy(
     console.print(f"[dim]follow it: qm deployments {deployed}[/dim]", highlight=False)
 
 
-def deployments(
-    name: Annotated[
-        str | None, typer.Argument(help="One deployment to show in full.", show_default=False)
-    ] = None,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
-    """List your robot deployments (all tenants' for admin), or show one with its history."""
+@click.command()
+@click.argument("name", required=False)
+@json_option
+@gateway_options
+def deployments(name: str | None, as_json: bool, url: str | None, token: str | None) -> None:
+    """List your robot deployments (all tenants' for admin), or show deployment NAME with its
+    history."""
     with gateway(url, token) as client:
         if name is None:
             answer: dict[str, Any] = {"deployments": client.deployments()}
@@ -440,10 +425,9 @@ def deployments(
         console.print(deployment_view(answer))
 
 
-deployment_app = typer.Typer(
-    help="Change a robot deployment: pause, resume, undo; pin or unpin a robot.",
-    no_args_is_help=True,
-)
+@click.group()
+def deployment() -> None:
+    """Change a robot deployment: pause, resume, undo; pin or unpin a robot."""
 
 
 def _command(
@@ -454,55 +438,46 @@ def _command(
     _accepted(answer, name, f"qm deployments {name}")
 
 
-@deployment_app.command("pause")
-def deployment_pause(
-    name: NameArgument, url: GatewayOption = None, token: TokenOption = None
-) -> None:
-    """Open no further wave (the robots reached keep the new version)."""
+@deployment.command("pause")
+@click.argument("name")
+@gateway_options
+def deployment_pause(name: str, url: str | None, token: str | None) -> None:
+    """Open no further wave of deployment NAME (the robots reached keep the new version)."""
     _command("pause", name, url, token)
 
 
-@deployment_app.command("resume")
-def deployment_resume(
-    name: NameArgument, url: GatewayOption = None, token: TokenOption = None
-) -> None:
-    """Go on with a paused deployment."""
+@deployment.command("resume")
+@click.argument("name")
+@gateway_options
+def deployment_resume(name: str, url: str | None, token: str | None) -> None:
+    """Go on with paused deployment NAME."""
     _command("resume", name, url, token)
 
 
-@deployment_app.command("undo")
-def deployment_undo(
-    name: NameArgument, url: GatewayOption = None, token: TokenOption = None
-) -> None:
-    """Send every robot back to the previous version."""
+@deployment.command("undo")
+@click.argument("name")
+@gateway_options
+def deployment_undo(name: str, url: str | None, token: str | None) -> None:
+    """Send every robot of deployment NAME back to the previous version."""
     _command("undo", name, url, token)
 
 
-@deployment_app.command("pin")
-def deployment_pin(
-    name: NameArgument,
-    robot: RobotArgument,
-    version: Annotated[
-        str, typer.Argument(help="The version this robot keeps.", show_default=False)
-    ],
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
-    """Keep one robot on a version, whatever the rollout does."""
+@deployment.command("pin")
+@click.argument("name")
+@click.argument("robot")
+@click.argument("version")
+@gateway_options
+def deployment_pin(name: str, robot: str, version: str, url: str | None, token: str | None) -> None:
+    """Keep ROBOT (e.g. lab-a-003) on VERSION in deployment NAME, whatever the rollout does."""
     if not _is_name(version):
-        raise typer.BadParameter(f"{version!r} is not a version name", param_hint="VERSION")
+        raise click.BadParameter(f"{version!r} is not a version name", param_hint="VERSION")
     _command("pin", name, url, token, {"robot": robot, "version": version})
 
 
-@deployment_app.command("unpin")
-def deployment_unpin(
-    name: NameArgument, robot: RobotArgument, url: GatewayOption = None, token: TokenOption = None
-) -> None:
-    """Let a pinned robot follow the rollout again."""
+@deployment.command("unpin")
+@click.argument("name")
+@click.argument("robot")
+@gateway_options
+def deployment_unpin(name: str, robot: str, url: str | None, token: str | None) -> None:
+    """Let pinned ROBOT follow deployment NAME's rollout again."""
     _command("unpin", name, url, token, {"robot": robot})
-
-
-def register(app: typer.Typer) -> None:
-    for command in (robots, deploy, deployments):
-        app.command()(command)
-    app.add_typer(deployment_app, name="deployment")

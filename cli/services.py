@@ -22,10 +22,10 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import typer
+import click
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
@@ -33,11 +33,12 @@ from rich.text import Text
 
 from cli.client import GatewayClient, resolve_connection
 from cli.errors import GatewayError, QmError
-from cli.jobs import GatewayOption, JsonOption, TokenOption, _jsonable
+from cli.jobs import _jsonable
+from cli.params import gateway_options, json_option, path_type
 from cli.render import when
 
 if TYPE_CHECKING:
-    import httpx
+    from cli.client import Response
 
 console = Console()
 errors = Console(stderr=True)
@@ -88,7 +89,7 @@ REPLICA_STYLES = {"pending": "cyan", "starting": "yellow", "ready": "green", "fa
 # --- the client ----------------------------------------------------------------------------
 
 
-def refusal(response: httpx.Response) -> str | None:
+def refusal(response: Response) -> str | None:
     """The gateway's ``{reason_code, message}`` detail (a spec or command that the gateway or
     the queue's admission refuses) as ``reason_code: message``; None for any other answer,
     which cli.client.describe_error reads."""
@@ -107,7 +108,7 @@ class ServiceClient(GatewayClient):
     token and errors (GatewayError)."""
 
     @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
+    def _raise_for(response: Response) -> None:
         reason = None if response.is_success else refusal(response)
         if reason is None:
             GatewayClient._raise_for(response)  # success, or an error with its hint
@@ -150,7 +151,7 @@ def gateway(url: str | None, token: str | None) -> Iterator[ServiceClient]:
             yield client
     except QmError as exc:
         errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(1) from exc
+        raise click.exceptions.Exit(1) from exc
 
 
 # --- service files -------------------------------------------------------------------------
@@ -413,19 +414,18 @@ def _print_json(value: Any) -> None:
 
 # --- commands ------------------------------------------------------------------------------
 
-NameArgument = Annotated[str, typer.Argument(help="Service name.", show_default=False)]
 
-
-def serve(
-    file: Annotated[
-        Path,
-        typer.Option(
-            "-f", "--file", help="Service YAML file.", exists=True, dir_okay=False, readable=True
-        ),
-    ],
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
+@click.command()
+@click.option(
+    "-f",
+    "--file",
+    "file",
+    type=path_type(exists=True, dir_okay=False),
+    required=True,
+    help="Service YAML file.",
+)
+@gateway_options
+def serve(file: Path, url: str | None, token: str | None) -> None:
     """Declare the inference service(s) in a YAML file; a new version rolls out."""
     with gateway(url, token) as client:
         bodies = load_service_file(file)
@@ -442,21 +442,17 @@ def serve(
     console.print(f"[dim]follow it: qm services {names}[/dim]", highlight=False)
 
 
+@click.command()
+@click.argument("name", required=False)
+@click.option("--endpoints", is_flag=True, help="Only the service's ready replicas and addresses.")
+@json_option
+@gateway_options
 def services(
-    name: Annotated[
-        str | None, typer.Argument(help="One service to show in full.", show_default=False)
-    ] = None,
-    endpoints: Annotated[
-        bool,
-        typer.Option("--endpoints", help="Only the service's ready replicas and addresses."),
-    ] = False,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
+    name: str | None, endpoints: bool, as_json: bool, url: str | None, token: str | None
 ) -> None:
-    """List your inference services (all tenants' for admin), or show one in full."""
+    """List your inference services (all tenants' for admin), or show service NAME in full."""
     if endpoints and name is None:
-        raise typer.BadParameter("--endpoints needs a service name", param_hint="NAME")
+        raise click.BadParameter("--endpoints needs a service name", param_hint="NAME")
     with gateway(url, token) as client:
         if name is None:
             answer: dict[str, Any] = {"services": client.services()}
@@ -474,54 +470,55 @@ def services(
         console.print(service_view(answer))
 
 
+@click.command()
+@click.argument("name")
+@click.option("--min", "low", type=click.IntRange(min=1), help="Fewest replicas.")
+@click.option("--max", "high", type=click.IntRange(min=1), help="Most replicas.")
+@click.option("--replicas", type=click.IntRange(min=1), help="A fixed count (min = max).")
+@gateway_options
 def scale(
-    name: NameArgument,
-    low: Annotated[
-        int | None, typer.Option("--min", min=1, help="Fewest replicas.", show_default=False)
-    ] = None,
-    high: Annotated[
-        int | None, typer.Option("--max", min=1, help="Most replicas.", show_default=False)
-    ] = None,
-    replicas: Annotated[
-        int | None,
-        typer.Option("--replicas", min=1, help="A fixed count (min = max).", show_default=False),
-    ] = None,
-    url: GatewayOption = None,
-    token: TokenOption = None,
+    name: str,
+    low: int | None,
+    high: int | None,
+    replicas: int | None,
+    url: str | None,
+    token: str | None,
 ) -> None:
-    """Change a service's replica range (--min/--max) or fix its count (--replicas)."""
+    """Change service NAME's replica range (--min/--max) or fix its count (--replicas)."""
     if replicas is not None and (low is not None or high is not None):
-        raise typer.BadParameter("give --replicas, or --min and/or --max, not both")
+        raise click.BadParameter("give --replicas, or --min and/or --max, not both")
     if replicas is None and low is None and high is None:
-        raise typer.BadParameter("give --min and/or --max, or --replicas")
+        raise click.BadParameter("give --min and/or --max, or --replicas")
     if low is not None and high is not None and low > high:
-        raise typer.BadParameter(f"--min {low} is above --max {high}")
+        raise click.BadParameter(f"--min {low} is above --max {high}")
     counts = {"min_replicas": low, "max_replicas": high, "replicas": replicas}
     with gateway(url, token) as client:
         answer = client.scale(name, {k: v for k, v in counts.items() if v is not None})
     _accepted(answer, name, f"qm services {name}")
 
 
-def unserve(name: NameArgument, url: GatewayOption = None, token: TokenOption = None) -> None:
-    """Delete an inference service: every replica stops (after draining); the name is free."""
+@click.command()
+@click.argument("name")
+@gateway_options
+def unserve(name: str, url: str | None, token: str | None) -> None:
+    """Delete inference service NAME: every replica stops (after draining); the name is
+    free."""
     with gateway(url, token) as client:
         answer = client.delete(name)
     _accepted(answer, name, "qm services")
 
 
-rollout_app = typer.Typer(
-    help="A service's rolling update: status, pause, resume, undo.", no_args_is_help=True
-)
+@click.group()
+def rollout() -> None:
+    """A service's rolling update: status, pause, resume, undo."""
 
 
-@rollout_app.command("status")
-def rollout_status(
-    name: NameArgument,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
-) -> None:
-    """Where a service's rollout is: phase, from and to, ready replicas per version, why."""
+@rollout.command("status")
+@click.argument("name")
+@json_option
+@gateway_options
+def rollout_status(name: str, as_json: bool, url: str | None, token: str | None) -> None:
+    """Where service NAME's rollout is: phase, from and to, ready replicas per version, why."""
     with gateway(url, token) as client:
         status = client.service(name).get("status") or {}
     if as_json:
@@ -536,27 +533,25 @@ def _rollout(action: str, name: str, url: str | None, token: str | None) -> None
     _accepted(answer, name, f"qm rollout status {name}")
 
 
-@rollout_app.command("pause")
-def rollout_pause(name: NameArgument, url: GatewayOption = None, token: TokenOption = None) -> None:
+@rollout.command("pause")
+@click.argument("name")
+@gateway_options
+def rollout_pause(name: str, url: str | None, token: str | None) -> None:
     """Stop the rollout under way where it is (scaling goes on)."""
     _rollout("pause", name, url, token)
 
 
-@rollout_app.command("resume")
-def rollout_resume(
-    name: NameArgument, url: GatewayOption = None, token: TokenOption = None
-) -> None:
+@rollout.command("resume")
+@click.argument("name")
+@gateway_options
+def rollout_resume(name: str, url: str | None, token: str | None) -> None:
     """Go on with a paused rollout."""
     _rollout("resume", name, url, token)
 
 
-@rollout_app.command("undo")
-def rollout_undo(name: NameArgument, url: GatewayOption = None, token: TokenOption = None) -> None:
+@rollout.command("undo")
+@click.argument("name")
+@gateway_options
+def rollout_undo(name: str, url: str | None, token: str | None) -> None:
     """Go back to the previous version, by the same rolling update."""
     _rollout("undo", name, url, token)
-
-
-def register(app: typer.Typer) -> None:
-    for command in (serve, services, scale, unserve):
-        app.command()(command)
-    app.add_typer(rollout_app, name="rollout")

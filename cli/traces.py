@@ -8,9 +8,9 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+import click
 from rich.console import Console
 
 console = Console(highlight=False)
@@ -168,16 +168,18 @@ def render(spans: list[Span]) -> list[str]:
     return lines
 
 
-def trace(
-    job_id: Annotated[str, typer.Argument(help="A job id (or a trace id).")],
-    directory: Annotated[
-        Path | None,
-        typer.Option("--dir", help="Span files; default: the dev stack's (<state dir>/traces)."),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="The spans as JSON lines.")] = False,
-) -> None:
-    """Show a job's trace from the dev stack: every service it went through, how long each
-    took and how long it waited in between."""
+@click.command()
+@click.argument("job_id")
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(path_type=Path),
+    help="Span files; default: the dev stack's (<state dir>/traces).",
+)
+@click.option("--json", "as_json", is_flag=True, help="The spans as JSON lines.")
+def trace(job_id: str, directory: Path | None, as_json: bool) -> None:
+    """Show the trace of JOB_ID (a job id or a trace id) from the dev stack: every service it
+    went through, how long each took and how long it waited in between."""
     if directory is None:
         from cli.client import state_dir
         from cli.stack import trace_dir
@@ -188,14 +190,14 @@ def trace(
             f"[red]error:[/red] no traces at {directory}: start the stack with tracing on "
             "(`qm up`, the default) or pass --dir"
         )
-        raise typer.Exit(1)
+        raise click.exceptions.Exit(1)
     found = traces_of(read_spans(directory), job_id)
     if not found:
         console.print(
             f"[red]error:[/red] no span of {job_id} in {directory} (spans are written about "
             "half a second after each hop; a job submitted before tracing was on has none)"
         )
-        raise typer.Exit(1)
+        raise click.exceptions.Exit(1)
     for spans in found.values():
         if as_json:
             for s in sorted(spans, key=lambda s: s.start_ns):
@@ -205,7 +207,3 @@ def trace(
         for line in render(spans):
             console.print(line)
         console.print()
-
-
-def register(app: typer.Typer) -> None:
-    app.command()(trace)

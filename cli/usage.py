@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from typing import Annotated, Any
+from typing import Any
 
-import typer
+import click
 from rich.console import Console
 from rich.table import Table
 
-from cli.jobs import GatewayOption, JsonOption, TokenOption, gateway
+from cli.jobs import gateway
+from cli.params import gateway_options, json_option
 
 console = Console()
 
@@ -75,34 +76,33 @@ def efficiency_table(report: dict[str, Any]) -> Table:
     return table
 
 
+@click.command()
+@click.option("--from", "start", help="Start, ISO date or time (default: start of this month).")
+@click.option("--to", "end", help="End, exclusive (default: now).")
+@click.option(
+    "--group-by",
+    "-g",
+    default="tenant,project",
+    help="Comma-separated: tenant, project, user, cluster, accelerator_type, "
+    "price_tier, kind, job_id, day, month.",
+)
+@click.option("--tenant", help="Only this tenant (finance and admin tokens).")
+@click.option("--kind", help="usage (no idle), idle, interval or close.")
+@click.option("--efficiency", is_flag=True, help="Fleet efficiency per cluster and type instead.")
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV.")
+@json_option
+@gateway_options
 def usage(
-    start: Annotated[
-        str | None,
-        typer.Option("--from", help="Start, ISO date or time (default: start of this month)."),
-    ] = None,
-    end: Annotated[str | None, typer.Option("--to", help="End, exclusive (default: now).")] = None,
-    group_by: Annotated[
-        str,
-        typer.Option(
-            "--group-by",
-            "-g",
-            help="Comma-separated: tenant, project, user, cluster, accelerator_type, "
-            "price_tier, kind, job_id, day, month.",
-        ),
-    ] = "tenant,project",
-    tenant: Annotated[
-        str | None, typer.Option(help="Only this tenant (finance and admin tokens).")
-    ] = None,
-    kind: Annotated[
-        str | None, typer.Option(help="usage (no idle), idle, interval or close.")
-    ] = None,
-    efficiency: Annotated[
-        bool, typer.Option("--efficiency", help="Fleet efficiency per cluster and type instead.")
-    ] = False,
-    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV.")] = False,
-    as_json: JsonOption = False,
-    url: GatewayOption = None,
-    token: TokenOption = None,
+    start: str | None,
+    end: str | None,
+    group_by: str,
+    tenant: str | None,
+    kind: str | None,
+    efficiency: bool,
+    as_csv: bool,
+    as_json: bool,
+    url: str | None,
+    token: str | None,
 ) -> None:
     """Accelerator-hours and cost by tenant, project, user, cluster or type."""
     params = {k: v for k, v in (("from", start), ("to", end)) if v}

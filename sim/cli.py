@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
-import typer
+import click
 from rich.console import Console
 from rich.table import Table
 
@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 # to show this default; tests/unit/cli/test_startup.py checks that the two agree.
 ALL_VARIANTS = "fifo,fifo-backfill,default,las,learned"
 
-sim_app = typer.Typer(
-    help="Replay a trace through several policies on the scheduling core; write figures.",
-    add_completion=False,
-)
 console = Console()
 errors = Console(stderr=True)
 
@@ -43,22 +39,36 @@ def load_jobs(trace: Path, window: str | None) -> list[SimJob]:
     return load_generic(trace)
 
 
-@sim_app.callback(invoke_without_command=True)
+_PATH = click.Path(path_type=Path)
+
+
+@click.command("sim", context_settings={"show_default": True})
+@click.option("--trace", type=_PATH, required=True, help="philly.csv or a generic workload CSV")
+@click.option("--policy", type=_PATH, default="examples/policy.yaml", help="policy YAML")
+@click.option("--fleet", type=_PATH, help="fleet YAML (else --pool)")
+@click.option("--pool", default="64x8", help="uniform pool NODESxACCELERATORS")
+@click.option("--policies", default=ALL_VARIANTS, help="comma list")
+@click.option("--window", help="YYYY-MM-DD:YYYY-MM-DD (Philly)")
+@click.option("--quotas", type=_PATH, help="philly_vc_nodes.csv: per-tenant quotas scaled to fleet")
+@click.option(
+    "--interval",
+    type=float,
+    default=60.0,
+    help="least virtual seconds between cycles (0: every event)",
+)
+@click.option("--out", type=_PATH, default="sim-out", help="output directory")
 def sim(
-    trace: Annotated[Path, typer.Option(help="philly.csv or a generic workload CSV")],
-    policy: Annotated[Path, typer.Option(help="policy YAML")] = Path("examples/policy.yaml"),
-    fleet: Annotated[Path | None, typer.Option(help="fleet YAML (else --pool)")] = None,
-    pool: Annotated[str, typer.Option(help="uniform pool NODESxACCELERATORS")] = "64x8",
-    policies: Annotated[str, typer.Option(help="comma list")] = ALL_VARIANTS,
-    window: Annotated[str | None, typer.Option(help="YYYY-MM-DD:YYYY-MM-DD (Philly)")] = None,
-    quotas: Annotated[
-        Path | None, typer.Option(help="philly_vc_nodes.csv: per-tenant quotas scaled to fleet")
-    ] = None,
-    interval: Annotated[
-        float, typer.Option(help="least virtual seconds between cycles (0: every event)")
-    ] = 60.0,
-    out: Annotated[Path, typer.Option(help="output directory")] = Path("sim-out"),
+    trace: Path,
+    policy: Path,
+    fleet: Path | None,
+    pool: str,
+    policies: str,
+    window: str | None,
+    quotas: Path | None,
+    interval: float,
+    out: Path,
 ) -> None:
+    """Replay a trace through several policies on the scheduling core; write figures."""
     import yaml
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -83,10 +93,10 @@ def sim(
     except (OSError, ValueError, CoreError, yaml.YAMLError) as exc:
         # WorkloadError and UnknownVariant are ValueErrors; PolicyError/FleetError CoreErrors.
         errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise click.exceptions.Exit(2) from None
     if not jobs:
         errors.print("[red]error:[/red] no jobs in that trace and window")
-        raise typer.Exit(2)
+        raise click.exceptions.Exit(2)
     capacity = float(sum(n.accelerators for n in nodes.values() if n.healthy))
     load = offered_load(jobs, capacity)
     console.print(

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from cli.main import app as qm
 from cli.stack import Stack

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
-from sim.cli import sim_app
+from sim.cli import sim
 from sim.workload import write_generic
 from tests.sim.test_scenarios import synthetic
 
@@ -19,7 +19,7 @@ def test_sim_command_writes_figures(tmp_path: Path) -> None:
     write_generic(trace, synthetic(200, seed=4, pool_gpus=32, load=0.9))
     out = tmp_path / "out"
     result = CliRunner().invoke(
-        sim_app,
+        sim,
         [
             "--trace",
             str(trace),
@@ -49,11 +49,11 @@ def test_sim_command_writes_figures(tmp_path: Path) -> None:
 
 
 def test_sim_command_explains_bad_input(tmp_path: Path) -> None:
-    result = CliRunner().invoke(sim_app, ["--trace", str(tmp_path / "missing.csv")])
+    result = CliRunner().invoke(sim, ["--trace", str(tmp_path / "missing.csv")])
     assert result.exit_code == 2
     assert "not found" in result.output
     trace = tmp_path / "w.csv"
     write_generic(trace, synthetic(5, seed=1, pool_gpus=8, load=0.5))
-    result = CliRunner().invoke(sim_app, ["--trace", str(trace), "--policies", "nope"])
+    result = CliRunner().invoke(sim, ["--trace", str(trace), "--policies", "nope"])
     assert result.exit_code == 2
     assert "unknown policy" in result.output

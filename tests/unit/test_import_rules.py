@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "schemas": {"pydantic", "pydantic_core", "schemas"},
     "core": {"schemas", "core", "numpy"},
-    "sim": {"schemas", "core", "sim", "numpy", "matplotlib", "yaml", "typer", "rich"},
+    "sim": {"schemas", "core", "sim", "numpy", "matplotlib", "yaml", "click", "rich"},
 }
 SERVICES = sorted(
     p.name for p in (ROOT / "services").iterdir() if p.is_dir() and (p / "__init__.py").exists()

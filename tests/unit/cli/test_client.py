@@ -12,11 +12,13 @@ from cli.client import (
     DEFAULT_GATEWAY,
     Connection,
     GatewayClient,
+    Response,
     describe_error,
     parse_sse,
     resolve_connection,
 )
 from cli.errors import GatewayError
+from tests.unit.cli.gateway_double import serving
 
 
 def record(directory: Path, **fields: object) -> None:
@@ -91,7 +93,9 @@ def test_broken_record_falls_back_to_defaults(elsewhere: Path) -> None:
 )
 def test_error_detail_is_readable(status: int, body: object, expected: str) -> None:
     content = json.dumps(body).encode() if isinstance(body, dict) else str(body).encode()
-    assert describe_error(httpx.Response(status, content=content)) == expected
+    answer = httpx.Response(status, content=content)
+    response = Response(status, answer.reason_phrase, content, {})
+    assert describe_error(response) == expected
 
 
 def test_sse_events_are_parsed_and_comments_skipped() -> None:
@@ -109,37 +113,96 @@ def test_sse_events_are_parsed_and_comments_skipped() -> None:
 
 
 def test_client_sends_bearer_token_and_raises_with_hint() -> None:
-    seen: list[httpx.Request] = []
-
     def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
         return httpx.Response(401, json={"detail": "unknown token"})
 
-    client = GatewayClient(Connection("http://gw", "dev-x"), transport=httpx.MockTransport(handler))
-    with client, pytest.raises(GatewayError) as raised:
+    with (
+        serving(handler) as double,
+        GatewayClient(Connection(double.url, "dev-x")) as client,
+        pytest.raises(GatewayError) as raised,
+    ):
         client.job("j-1")
-    assert seen[0].headers["Authorization"] == "Bearer dev-x"
+    assert double.requests[0].headers["Authorization"] == "Bearer dev-x"
     assert raised.value.status == 401
     assert "--token" in str(raised.value)
 
 
-def test_unreachable_gateway_says_so() -> None:
+def test_query_body_and_path_prefix_reach_the_gateway() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(202, json={"job_id": "j-1"})
+
+    with serving(handler) as double:
+        with GatewayClient(Connection(f"{double.url}/qm/", None)) as client:
+            client.jobs("queued", None, 5)
+            assert client.submit({"name": "ünïcode"}) == {"job_id": "j-1"}
+            client.cancel("j-1")
+        listed, submitted, canceled = double.requests
+    assert (listed.method, listed.url.path, dict(listed.url.params)) == (
+        "GET",
+        "/qm/v1/jobs",
+        {"limit": "5", "state": "queued"},
+    )
+    assert submitted.headers["Content-Type"] == "application/json"
+    assert json.loads(submitted.content) == {"name": "ünïcode"}
+    assert (canceled.method, canceled.url.path) == ("DELETE", "/qm/v1/jobs/j-1")
+
+
+def test_a_kept_connection_the_server_closed_is_opened_again() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"job_id": "j-1", "state": "queued"})
 
     with (
-        GatewayClient(Connection("http://gw", None), transport=httpx.MockTransport(handler)) as c,
-        pytest.raises(GatewayError, match="is the stack up"),
+        serving(handler, hang_up=True) as double,
+        GatewayClient(Connection(double.url, None)) as client,
     ):
-        c.jobs(None, None, 10)
+        for _ in range(3):
+            assert client.job("j-1")["state"] == "queued"
+    assert len(double.requests) == 3
+
+
+def test_a_dropped_answer_to_a_submission_is_an_error_not_a_resend() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("crash before answering")
+
+    with (
+        serving(handler) as double,
+        GatewayClient(Connection(double.url, None)) as client,
+        pytest.raises(GatewayError, match="cannot reach the gateway"),
+    ):
+        client.submit({"name": "a"})
+    assert len(double.requests) == 1
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "http://127.0.0.1:99999", "ftp://gw", "gw"])
+def test_unreachable_or_malformed_gateway_says_so(url: str) -> None:
+    with (
+        pytest.raises(GatewayError, match=r"is the stack up|is not a gateway URL"),
+        GatewayClient(Connection(url, None)) as client,
+    ):
+        client.jobs(None, None, 10)
+
+
+def test_event_stream_errors_are_readable() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"detail": "job j-9 not found"})
+
+    with (
+        serving(handler) as double,
+        GatewayClient(Connection(double.url, None)) as client,
+        pytest.raises(GatewayError, match="404 Not Found: job j-9 not found"),
+    ):
+        list(client.events("j-9"))
 
 
 @pytest.mark.parametrize("url", ["https://gw.example", "HTTPS://gw.example:8443"])
 def test_an_https_gateway_is_verified(url: str) -> None:
-    """Only a plain-http gateway skips loading the CA bundle (a faster start); an https one
+    """Only a plain-http gateway skips loading the CA store (a faster start); an https one
     keeps certificate and host checks."""
     import ssl
 
     with GatewayClient(Connection(url, None)) as client:
-        context = client._http._transport._pool._ssl_context  # type: ignore[attr-defined]
+        context = client._context
+        assert context is not None
         assert context.verify_mode is ssl.CERT_REQUIRED and context.check_hostname
+    with GatewayClient(Connection("http://gw.example", None)) as client:
+        assert client._context is None

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
-import cli.jobs
-from cli.client import Connection, GatewayClient
 from cli.errors import QmError
 from cli.jobs import job_body, load_job_file
 from cli.main import app
 from schemas.job import JobSpec
+from tests.unit.cli.gateway_double import GatewayDouble, Handler
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "jobs"
-Handler = Callable[[httpx.Request], httpx.Response]
 
 
 def test_labels_become_strings_and_dates_iso() -> None:
@@ -57,24 +55,24 @@ def test_example_jobs_are_valid_specs(path: Path) -> None:
 
 
 @pytest.fixture
-def gateway(monkeypatch: pytest.MonkeyPatch) -> Callable[[Handler], list[httpx.Request]]:
-    """Route the job commands to ``handler``; returns the requests it saw."""
+def gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[[Handler], list[httpx.Request]]]:
+    """Point the job commands at a gateway double answering with ``handler``; returns the
+    requests it saw."""
+    doubles: list[GatewayDouble] = []
 
     def install(handler: Handler) -> list[httpx.Request]:
-        seen: list[httpx.Request] = []
-
-        def recording(request: httpx.Request) -> httpx.Response:
-            seen.append(request)
-            return handler(request)
-
-        def client(connection: Connection) -> GatewayClient:
-            return GatewayClient(connection, transport=httpx.MockTransport(recording))
-
-        monkeypatch.setattr(cli.jobs, "GatewayClient", client)
+        double = GatewayDouble(handler)
+        double.start()
+        doubles.append(double)
+        monkeypatch.setenv("QM_GATEWAY_URL", double.url)
         monkeypatch.setenv("QM_STATE_DIR", "/nonexistent")
-        return seen
+        return double.requests
 
-    return install
+    yield install
+    for double in doubles:
+        double.stop()
 
 
 def run(*args: str) -> Any:

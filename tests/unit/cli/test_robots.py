@@ -22,15 +22,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from click.testing import CliRunner
 from fastapi import FastAPI
 from pydantic import TypeAdapter, ValidationError
-from typer.testing import CliRunner
 
-import cli.services
 from cli import robots as robots_cli
-from cli.client import Connection
 from cli.main import app
-from cli.services import ServiceClient
 from cli.stack import Service, Stack
 from schemas.bounds import NAME_PATTERN
 from schemas.robots import (
@@ -55,6 +52,7 @@ from services.gateway.robots import (
     RobotList,
     RobotView,
 )
+from tests.unit.cli.gateway_double import serving
 from tests.unit.cli.test_startup import HEAVY, REQUEST_ONLY, among, loaded_after
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -272,17 +270,15 @@ class FakeGateway:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGateway]:
-    """The robot commands talk to a FakeGateway (and read no recorded stack)."""
+    """The robot commands talk to a FakeGateway behind a real HTTP server (and read no
+    recorded stack)."""
     gateway = FakeGateway()
-
-    def client(connection: Connection) -> ServiceClient:
-        return ServiceClient(connection, transport=httpx.MockTransport(gateway))
-
-    monkeypatch.setattr(cli.services, "ServiceClient", client)
     monkeypatch.setenv("QM_STATE_DIR", "/nonexistent")
     monkeypatch.setenv("QM_TOKEN", "dev-vision")
     monkeypatch.setenv("COLUMNS", "220")
-    yield gateway
+    with serving(gateway) as double:
+        monkeypatch.setenv("QM_GATEWAY_URL", double.url)
+        yield gateway
 
 
 def run(*args: str) -> Any:

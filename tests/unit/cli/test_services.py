@@ -19,18 +19,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from click.testing import CliRunner
 from pydantic import ValidationError
-from typer.testing import CliRunner
 
-import cli.services
-from cli.client import Connection
 from cli.errors import QmError
 from cli.main import app
 from cli.services import (
     RESOURCE_FIELDS,
     ROLLOUT_FIELDS,
     SPEC_FIELDS,
-    ServiceClient,
     load_service_file,
     per_version,
 )
@@ -47,6 +44,7 @@ from schemas.serving import (
 from schemas.validation import describe_validation_error
 from services.common.admission import check_admission
 from services.gateway.serving import DeclareService
+from tests.unit.cli.gateway_double import serving
 from tests.unit.cli.test_startup import HEAVY, REQUEST_ONLY, among, loaded_after
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -191,17 +189,15 @@ class FakeGateway:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGateway]:
-    """The service commands talk to a FakeGateway (and read no recorded stack)."""
+    """The service commands talk to a FakeGateway behind a real HTTP server (and read no
+    recorded stack)."""
     gateway = FakeGateway()
-
-    def client(connection: Connection) -> ServiceClient:
-        return ServiceClient(connection, transport=httpx.MockTransport(gateway))
-
-    monkeypatch.setattr(cli.services, "ServiceClient", client)
     monkeypatch.setenv("QM_STATE_DIR", "/nonexistent")
     monkeypatch.setenv("QM_TOKEN", "dev-vision")
     monkeypatch.setenv("COLUMNS", "200")
-    yield gateway
+    with serving(gateway) as double:
+        monkeypatch.setenv("QM_GATEWAY_URL", double.url)
+        yield gateway
 
 
 def run(*args: str) -> Any:
@@ -488,7 +484,7 @@ def test_scale_sends_the_counts(
         ([], "give --min and/or --max, or --replicas"),
         (["--replicas", "3", "--max", "4"], "not both"),
         (["--min", "5", "--max", "4"], "--min 5 is above --max 4"),
-        (["--replicas", "0"], "--replicas': Input should be greater than or equal to 1"),
+        (["--replicas", "0"], "'--replicas': 0 is not in the range x>=1"),
     ],
 )
 def test_scale_refuses_nonsense_before_asking(

@@ -44,8 +44,9 @@ HEAVY = (
     "asyncpg",
     "redis",
 )
-# Needed only once a request is made (httpx) or a job file is read (yaml).
-REQUEST_ONLY = ("httpx", "httpcore", "ssl", "yaml")
+# Needed only once a request is made (http.client, and ssl, which it imports) or a job file is
+# read (yaml). httpx is not used by the gateway commands at all (`qm ps` and `qm fault` use it).
+REQUEST_ONLY = ("http.client", "ssl", "yaml", "httpx", "httpcore")
 
 SCRIPT = """
 import json, sys
@@ -78,25 +79,46 @@ def among(modules: list[str], names: tuple[str, ...]) -> list[str]:
     return [m for m in modules if any(m == n or m.startswith(f"{n}.") for n in names)]
 
 
-def test_importing_qm_loads_nothing_heavy(tmp_path: Path) -> None:
+# The modules that define commands; the root group imports one when its command is asked for.
+COMMAND_MODULES = (
+    "cli.jobs",
+    "cli.usage",
+    "cli.pools",
+    "cli.fleet",
+    "cli.services",
+    "cli.robots",
+    "cli.traces",
+    "cli.faults",
+    "sim.cli",
+)
+
+
+def test_importing_qm_loads_no_command_yet(tmp_path: Path) -> None:
     modules = loaded_after(tmp_path=tmp_path)
-    assert "cli.main" in modules and "sim.cli" in modules  # the check sees what it should
+    assert "cli.main" in modules  # the check sees what it should
+    assert among(modules, HEAVY + REQUEST_ONLY + COMMAND_MODULES) == []
+
+
+def test_the_full_help_loads_every_command_and_nothing_heavy(tmp_path: Path) -> None:
+    modules = loaded_after(["--help"], tmp_path=tmp_path)
+    assert among(modules, COMMAND_MODULES) == sorted(COMMAND_MODULES)
     assert among(modules, HEAVY + REQUEST_ONLY) == []
 
 
 @pytest.mark.parametrize(
     "command",
-    [["--help"], ["list", "--help"], ["sim", "--help"], ["fault", "--help"], ["up", "--help"]],
+    [["list", "--help"], ["sim", "--help"], ["fault", "--help"], ["up", "--help"]],
 )
 def test_help_loads_nothing_heavy(command: list[str], tmp_path: Path) -> None:
     assert among(loaded_after(command, tmp_path=tmp_path), HEAVY + REQUEST_ONLY) == []
 
 
-def test_a_gateway_command_loads_only_the_http_client(tmp_path: Path) -> None:
+def test_a_gateway_command_loads_only_its_module_and_the_http_client(tmp_path: Path) -> None:
     # Port 1 refuses the connection: `qm list` fails, after having done all its work.
     modules = loaded_after(["list", "--gateway", "http://127.0.0.1:1"], tmp_path=tmp_path)
-    assert "httpx" in modules  # it did try to reach the gateway
-    assert among(modules, HEAVY) == []
+    assert "http.client" in modules  # it did try to reach the gateway
+    assert among(modules, (*HEAVY, "httpx", "httpcore", "yaml", "typer", "pydantic")) == []
+    assert among(modules, COMMAND_MODULES) == ["cli.jobs"]
 
 
 def test_the_sim_default_policies_are_every_variant() -> None:

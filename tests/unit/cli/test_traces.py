@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from cli.main import app
 from cli.traces import read_spans, render, traces_of
