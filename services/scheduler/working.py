@@ -225,12 +225,15 @@ def differences(kept: CycleState, fresh: CycleState) -> list[str]:
 
 
 def _same_placement(a: Allocation, b: Allocation) -> bool:
-    """Whether two allocations of one job hold the same resources on the same nodes."""
+    """Whether two allocations of one job hold the same resources on the same nodes and are
+    counted the same way: the tenant's quota and share, the spread group, and the claim a job
+    restricted to some accelerator types holds on its type (a swap charges nothing again, so
+    anything these books read must be equal)."""
     return (
         a.job.job_id == b.job.job_id
         and a.replicas == b.replicas
-        and (
-            a.job.tenant == b.job.tenant
-            and abs(a.job.total_accelerators - b.job.total_accelerators) <= EPS
-        )
+        and a.job.tenant == b.job.tenant
+        and abs(a.job.total_accelerators - b.job.total_accelerators) <= EPS
+        and a.job.spread_group == b.job.spread_group
+        and a.job.accelerator_types == b.job.accelerator_types
     )

@@ -485,3 +485,31 @@ def test_a_cycle_that_raises_half_way_rebuilds_next_time() -> None:
     queues.add = add  # type: ignore[method-assign]
     assert calls["n"] == 1 and world.working.state is None
     world.run_cycle()  # rebuilt, and checked strictly against a rebuild
+
+
+def test_a_running_job_read_back_with_other_type_limits_is_counted_again() -> None:
+    """A running job's allocation replaced by one on the same devices whose job accepts other
+    accelerator types is not swapped in as equal: a job restricted to T4 holds a claim on T4
+    (the type-demand term reads it) and the unrestricted copy holds none. The strict check of
+    every cycle fails if the kept state keeps the old claim."""
+    world = World(lose=[])
+    job = spec(
+        job_id="t4-only",
+        tenant="vision",
+        priority_class="low",
+        resources={"accelerators": 1, "accelerator_types": ["T4"], "cpu": 2, "memory_gb": 8},
+    )
+    world.state.on_queued(
+        JobQueued(job_id="t4-only", spec=job, submitted_at=datetime.fromtimestamp(NOW, UTC))
+    )
+    world.run_cycle()
+    alloc = world.state.running[JobId("t4-only")]
+    assert alloc.cluster == "c2"
+    kept = world.working.state
+    assert kept is not None and kept.cap.type_claimed_milli.sum() == 1000
+    world.state.running[JobId("t4-only")] = replace(
+        alloc, job=replace(alloc.job, accelerator_types=())
+    )
+    world.state.touched.add(JobId("t4-only"))
+    world.run_cycle()  # checked strictly against a rebuild
+    assert kept.cap.type_claimed_milli.sum() == 0
