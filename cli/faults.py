@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from cli.client import state_dir
+from cli.params import OrderedGroup
 
 # `qm --help` builds this sub-app, so the stack machinery and httpx are imported when a
 # fault is actually injected.
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from cli.stack import Service
 
 
-@click.group("fault")
+@click.group("fault", cls=OrderedGroup)
 def fault() -> None:
     """Inject faults into the simulated fleet (demos and tests)."""
 
@@ -116,10 +117,10 @@ def random_faults(rate: float, seed: int | None, cluster: str | None) -> None:
 
 @fault.command("cluster")
 @click.argument("name")
-@click.argument("state", type=click.Choice(["down", "up"]))
+@click.argument("state", type=click.Choice(["down", "up"]), metavar="STATE")
 def cluster(name: str, state: str) -> None:
-    """Take cluster NAME (as in the fleet file) dark, STATE down (its heartbeats stop), or
-    bring it back (up)."""
+    """Take cluster NAME (as in the fleet file) dark or bring it back: STATE down stops its
+    heartbeats, up restarts them."""
     executors = _executors()
     if name not in executors:
         raise click.BadParameter(f"unknown cluster {name}; known: {', '.join(sorted(executors))}")

@@ -16,6 +16,14 @@ import click
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class OrderedGroup(click.Group):
+    """A group whose help lists its commands in the order they were defined (click sorts
+    them): `qm rollout --help` shows status, pause, resume, undo."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
 def gateway_options(fn: F) -> F:
     """``--gateway`` and ``--token`` (or QM_GATEWAY_URL and QM_TOKEN), as ``url`` and ``token``."""
     fn = click.option(

@@ -36,7 +36,7 @@ from rich.text import Text
 
 from cli import services
 from cli.errors import GatewayError
-from cli.params import gateway_options, json_option
+from cli.params import OrderedGroup, gateway_options, json_option
 from cli.render import when
 from cli.services import _accepted, _cell, _print_json
 
@@ -425,7 +425,7 @@ def deployments(name: str | None, as_json: bool, url: str | None, token: str | N
         console.print(deployment_view(answer))
 
 
-@click.group()
+@click.group(cls=OrderedGroup)
 def deployment() -> None:
     """Change a robot deployment: pause, resume, undo; pin or unpin a robot."""
 

@@ -34,7 +34,7 @@ from rich.text import Text
 from cli.client import GatewayClient, resolve_connection
 from cli.errors import GatewayError, QmError
 from cli.jobs import _jsonable
-from cli.params import gateway_options, json_option, path_type
+from cli.params import OrderedGroup, gateway_options, json_option, path_type
 from cli.render import when
 
 if TYPE_CHECKING:
@@ -508,7 +508,7 @@ def unserve(name: str, url: str | None, token: str | None) -> None:
     _accepted(answer, name, "qm services")
 
 
-@click.group()
+@click.group(cls=OrderedGroup)
 def rollout() -> None:
     """A service's rolling update: status, pause, resume, undo."""
 

@@ -32,6 +32,10 @@ class ServiceSettings(BaseSettings):
     fetch_idle_max_ms: int = Field(default=500, ge=1)
     fetch_idle_after_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     max_batch_records: int = 500
+    # After start-up, move every object made so far (modules, classes, pydantic's validators,
+    # what start-up read) out of the cyclic garbage collector's reach (gc.freeze): a full
+    # collection then scans only what the service made since. docs/performance.md measures it.
+    gc_freeze: bool = True
     # A consumer whose batch has failed (retryably) for this long raises one alert.raised
     # (cause consumer_stalled); it goes on retrying with backoff either way.
     stall_alert_after_s: float = 60.0
