@@ -79,14 +79,24 @@ def closed_port() -> int:
         return int(s.getsockname()[1])  # nothing listens once it is closed
 
 
-def once(tree: Path, args: list[str]) -> float:
+def once(tree: Path, args: list[str], expect: tuple[int, str]) -> float:
+    """Wall seconds of one `qm` run; refuses a run that did not do what it should (a command
+    that crashed early would look fast)."""
     env = {**os.environ, "QM_STATE_DIR": "/nonexistent", "COLUMNS": "120", "NO_COLOR": "1"}
     env.pop("QM_GATEWAY_URL", None)
     start = time.perf_counter()
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-c", QM, *args], cwd=tree, env=env, capture_output=True, check=False
     )
-    return time.perf_counter() - start
+    took = time.perf_counter() - start
+    code, text = expect
+    said = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
+    if done.returncode != code or text not in said:
+        raise SystemExit(
+            f"qm {' '.join(args)} in {tree}: exit {done.returncode}, expected {code} and "
+            f"{text!r} in its output:\n{said[-2000:]}"
+        )
+    return took
 
 
 def main() -> None:
@@ -103,6 +113,13 @@ def main() -> None:
         "help": ["--help"],
         "list_help": ["list", "--help"],
     }
+    # (exit code, text in the output) each run must show
+    expected = {
+        "list": (0, "j-0049"),
+        "list_unreachable": (1, "cannot reach the gateway"),
+        "help": (0, "submit"),
+        "list_help": (0, "--limit"),
+    }
     trees = {"this": ROOT, **({"other": args.tree.resolve()} if args.tree else {})}
     times: dict[str, dict[str, list[float]]] = {t: {c: [] for c in commands} for t in trees}
     bare: list[float] = []
@@ -112,7 +129,7 @@ def main() -> None:
         bare.append(time.perf_counter() - start)
         for name, argv in commands.items():
             for tree_name, tree in trees.items():
-                times[tree_name][name].append(once(tree, argv))
+                times[tree_name][name].append(once(tree, argv, expected[name]))
     server.shutdown()
 
     print(

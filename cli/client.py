@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from cli.errors import GatewayError
 
@@ -143,7 +143,8 @@ class GatewayClient:
         self._https = scheme == "https"
         self._host = url.hostname
         try:
-            self._port = url.port
+            # Always explicit: http.client would read "::1" (an IPv6 host) as host and port.
+            self._port = url.port or (443 if self._https else 80)
         except ValueError as exc:
             raise GatewayError(f"{self.base!r} is not a gateway URL ({exc})") from exc
         self._prefix = url.path.rstrip("/")  # a gateway served under a path
@@ -153,6 +154,8 @@ class GatewayClient:
             self._headers["Authorization"] = f"Bearer {connection.token}"
         # Certificates are checked against the system's CA store (SSL_CERT_FILE and
         # SSL_CERT_DIR override it); a plain-http gateway, the dev stack's, never loads it.
+        # No proxy is used (HTTPS_PROXY and the like are not read): the gateway is reached
+        # directly.
         self._context: ssl.SSLContext | None = None
         if self._https:
             import ssl
@@ -206,6 +209,8 @@ class GatewayClient:
             body = json.dumps(payload).encode()
             headers["Content-Type"] = "application/json"
         target = self._target(path, params)
+        if self._open is not None and _dropped(self._open):
+            self.close()  # closed by the server while idle (uvicorn: after 5 s): not reused
         reused = self._open is not None
         try:
             if self._open is None:
@@ -227,6 +232,9 @@ class GatewayClient:
                 f"cannot reach the gateway at {self.base} ({_reason(exc)}); "
                 "is the stack up? (qm up)"
             ) from exc
+        except ValueError as exc:  # a header or target http.client refuses to send
+            self.close()
+            raise GatewayError(f"cannot send that request to {self.base}: {exc}") from exc
         return Response(
             answer.status,
             answer.reason,
@@ -244,7 +252,15 @@ class GatewayClient:
     ) -> Any:
         response = self._request(method, path, params, json)
         self._raise_for(response)
-        return response.json() if response.content else {}
+        if not response.content:
+            return {}
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise GatewayError(
+                f"the gateway at {self.base} answered {method} {path} with something that is "
+                f"not JSON ({exc}); is that URL a Quartermaster gateway?"
+            ) from exc
 
     @staticmethod
     def _raise_for(response: Response) -> None:
@@ -259,7 +275,7 @@ class GatewayClient:
         return dict(self._call("POST", "/v1/jobs", json=body))
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"/v1/jobs/{job_id}"))
+        return dict(self._call("GET", f"/v1/jobs/{_segment(job_id)}"))
 
     def jobs(self, state: str | None, queue: str | None, limit: int) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"limit": limit}
@@ -267,7 +283,7 @@ class GatewayClient:
         return list(self._call("GET", "/v1/jobs", params=params).get("jobs", []))
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return dict(self._call("DELETE", f"/v1/jobs/{job_id}"))
+        return dict(self._call("DELETE", f"/v1/jobs/{_segment(job_id)}"))
 
     def pools(self) -> dict[str, Any]:
         return dict(self._call("GET", "/v1/pools"))
@@ -286,22 +302,20 @@ class GatewayClient:
         return list(self._call("GET", "/v1/nodes", params=params).get("nodes", []))
 
     def node(self, node_id: str) -> dict[str, Any]:
-        from urllib.parse import quote
-
-        return dict(self._call("GET", f"/v1/nodes/{quote(node_id, safe='')}"))
+        return dict(self._call("GET", f"/v1/nodes/{_segment(node_id)}"))
 
     def queues(self, hours: float | None = None) -> dict[str, Any]:
         params = {"hours": hours} if hours is not None else {}
         return dict(self._call("GET", "/v1/queues", params=params))
 
     def explain(self, job_id: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"/v1/jobs/{job_id}/explain"))
+        return dict(self._call("GET", f"/v1/jobs/{_segment(job_id)}/explain"))
 
     def events(self, job_id: str) -> Iterator[dict[str, Any]]:
         """Follow a job's lifecycle events as they happen (no read timeout: they may be rare)."""
         import http.client
 
-        target = self._target(f"/v1/jobs/{job_id}/events", {"follow": "true"})
+        target = self._target(f"/v1/jobs/{_segment(job_id)}/events", {"follow": "true"})
         headers = {**self._headers, "Accept": "text/event-stream"}
         stream = self._connect(self._timeout)
         try:
@@ -315,6 +329,8 @@ class GatewayClient:
                     f"cannot reach the gateway at {self.base} ({_reason(exc)}); "
                     "is the stack up? (qm up)"
                 ) from exc
+            except ValueError as exc:
+                raise GatewayError(f"cannot send that request to {self.base}: {exc}") from exc
             if not 200 <= answer.status < 300:
                 content = answer.read()
                 headers_seen = {k.lower(): v for k, v in answer.getheaders()}
@@ -325,13 +341,43 @@ class GatewayClient:
                 raise GatewayError(
                     f"event stream from {self.base} broke off ({_reason(exc)})"
                 ) from exc
+            except ValueError as exc:  # an event that is not JSON
+                raise GatewayError(f"unreadable event from {self.base}: {exc}") from exc
         finally:
             stream.close()
 
 
 def _lines(answer: http.client.HTTPResponse) -> Iterator[str]:
-    while line := answer.readline():
-        yield line.decode("utf-8", "replace").rstrip("\r\n")
+    """The stream's lines as they arrive. Read with `read1`, which raises IncompleteRead when a
+    chunked stream is cut off (`readline` would end it quietly, as if the server had)."""
+    pending = b""
+    while chunk := answer.read1(65536):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8", "replace").rstrip("\r")
+    if pending:
+        yield pending.decode("utf-8", "replace").rstrip("\r")
+
+
+def _dropped(connection: http.client.HTTPConnection) -> bool:
+    """Whether a kept connection can no longer carry a request: no socket, or one that is
+    readable while no answer is due (the server closed it, or sent something unasked)."""
+    import select
+
+    sock = connection.sock
+    if sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
+def _segment(value: str) -> str:
+    """One path segment: a job id with '/', spaces or non-ASCII letters stays one segment."""
+    return quote(value, safe="")
 
 
 def _reason(exc: BaseException) -> str:

@@ -68,7 +68,8 @@ class LazyGroup(click.Group):
     """A group whose commands in `LAZY_COMMANDS` are imported when first asked for."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return [*self.commands, *(name for name in LAZY_COMMANDS if name not in self.commands)]
+        # The group's own commands first, then the table's order (loading one keeps its place).
+        return [*(name for name in self.commands if name not in LAZY_COMMANDS), *LAZY_COMMANDS]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.commands or cmd_name not in LAZY_COMMANDS:

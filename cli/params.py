@@ -1,4 +1,4 @@
-"""What `qm`'s commands share: the gateway options, `--json`, and a plain way to fail.
+"""What `qm`'s commands share: the gateway options, `--json`, paths and ordered groups.
 
 `qm` is built on click alone. Its commands are decorated functions; the group in cli.main
 imports a command's module only when that command (or the full help) is asked for, so
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 
@@ -43,11 +43,3 @@ def json_option(fn: F) -> F:
 def path_type(*, exists: bool = False, dir_okay: bool = True) -> click.Path:
     """A path parameter that reaches the command as a ``pathlib.Path``."""
     return click.Path(exists=exists, dir_okay=dir_okay, path_type=Path)
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    """Print ``error: message`` on stderr (red on a terminal) and exit with ``code``."""
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-    raise click.exceptions.Exit(code)

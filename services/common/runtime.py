@@ -104,7 +104,10 @@ class Runtime:
         for hook in self.startup:
             await hook()
         if self.settings.gc_freeze and _own_process:
-            log.info("heap frozen", objects=freeze_heap())
+            began = time.perf_counter()
+            frozen = freeze_heap()
+            took_ms = round((time.perf_counter() - began) * 1000, 1)
+            log.info("heap frozen", objects=frozen, took_ms=took_ms)
         for loop in self.loops:
             self._tasks.append(asyncio.create_task(self._guard(loop), name=loop.__name__))
         self._started = True

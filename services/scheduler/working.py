@@ -226,14 +226,17 @@ def differences(kept: CycleState, fresh: CycleState) -> list[str]:
 
 def _same_placement(a: Allocation, b: Allocation) -> bool:
     """Whether two allocations of one job hold the same resources on the same nodes and are
-    counted the same way: the tenant's quota and share, the spread group, and the claim a job
-    restricted to some accelerator types holds on its type (a swap charges nothing again, so
-    anything these books read must be equal)."""
+    counted the same way. A swap charges nothing again, so every field of the job the books
+    read must be equal: the tenant's quota and fair-share charge (replicas, accelerators, CPU
+    and memory per replica), the spread group, and the claim a job restricted to some
+    accelerator types holds on its type."""
+    ja, jb = a.job, b.job
     return (
-        a.job.job_id == b.job.job_id
+        ja.job_id == jb.job_id
         and a.replicas == b.replicas
-        and a.job.tenant == b.job.tenant
-        and abs(a.job.total_accelerators - b.job.total_accelerators) <= EPS
-        and a.job.spread_group == b.job.spread_group
-        and a.job.accelerator_types == b.job.accelerator_types
+        and (ja.tenant, ja.replicas, ja.spread_group, ja.accelerator_types)
+        == (jb.tenant, jb.replicas, jb.spread_group, jb.accelerator_types)
+        and abs(ja.accelerators - jb.accelerators) <= EPS
+        and abs(ja.cpu - jb.cpu) <= EPS
+        and abs(ja.memory_gb - jb.memory_gb) <= EPS
     )

@@ -2,7 +2,10 @@
 request to a test's handler (``httpx.Request -> httpx.Response``) and writes its answer back,
 so that `qm` is tested through its own HTTP client and a real socket.
 
-A handler that raises drops the connection without an answer, as a crashing server would.
+A handler that raises drops the connection without an answer, as a crashing server would. An
+answer with ``Transfer-Encoding: chunked`` is sent in chunks of one line each (as a server
+streams events); with ``X-Double-Cut: yes`` as well, the connection is closed after the last
+chunk without the terminating empty chunk (a stream broken off).
 """
 
 from __future__ import annotations
@@ -12,10 +15,26 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 
 Handler = Callable[[httpx.Request], httpx.Response]
+
+
+class _Server(ThreadingHTTPServer):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        closed: threading.Semaphore,
+    ) -> None:
+        super().__init__(address, handler)
+        self.closed = closed
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)  # the socket is closed once this returns
+        self.closed.release()
 
 
 class GatewayDouble:
@@ -25,8 +44,9 @@ class GatewayDouble:
     def __init__(self, handler: Handler, *, hang_up: bool = False) -> None:
         self.handler = handler
         self.hang_up = hang_up
+        self.hung_up = threading.Semaphore(0)  # released each time a connection is closed
         self.requests: list[httpx.Request] = []
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._request_handler())
+        self._server = _Server(("127.0.0.1", 0), self._request_handler(), self.hung_up)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -53,13 +73,25 @@ class GatewayDouble:
                     self.close_connection = True  # no answer at all
                     return
                 content = response.read()
+                chunked = response.headers.get("transfer-encoding") == "chunked"
                 self.send_response(response.status_code, HTTPStatus(response.status_code).phrase)
                 for name, value in response.headers.items():
-                    if name.lower() not in ("content-length", "transfer-encoding"):
+                    if name.lower() not in ("content-length", "transfer-encoding", "x-double-cut"):
                         self.send_header(name, value)
-                self.send_header("Content-Length", str(len(content)))
+                if chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Content-Length", str(len(content)))
                 self.end_headers()
-                self.wfile.write(content)
+                if not chunked:
+                    self.wfile.write(content)
+                else:
+                    for line in content.splitlines(keepends=True):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    if response.headers.get("x-double-cut") == "yes":
+                        self.close_connection = True
+                        return
+                    self.wfile.write(b"0\r\n\r\n")
                 if double.hang_up:
                     self.close_connection = True
 

@@ -160,17 +160,116 @@ def test_a_kept_connection_the_server_closed_is_opened_again() -> None:
     assert len(double.requests) == 3
 
 
+def test_a_kept_connection_closed_while_idle_is_not_used_for_a_submission() -> None:
+    """uvicorn closes an idle kept-alive connection after 5 s: a POST after that must go out on
+    a new connection, not fail (a POST is never sent twice, so it is checked before sending)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"job_id": "j-1", "state": "queued"})
+
+    with (
+        serving(handler, hang_up=True) as double,
+        GatewayClient(Connection(double.url, None)) as client,
+    ):
+        client.job("j-1")
+        assert double.hung_up.acquire(timeout=10)  # the server has closed that connection
+        assert client.submit({"name": "a"})["job_id"] == "j-1"
+    assert [r.method for r in double.requests] == ["GET", "POST"]
+
+
 def test_a_dropped_answer_to_a_submission_is_an_error_not_a_resend() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        raise RuntimeError("crash before answering")
+        if request.method == "POST":
+            raise RuntimeError("crash before answering")
+        return httpx.Response(200, json={"job_id": "j-1", "state": "queued"})
 
     with (
         serving(handler) as double,
         GatewayClient(Connection(double.url, None)) as client,
-        pytest.raises(GatewayError, match="cannot reach the gateway"),
     ):
-        client.submit({"name": "a"})
-    assert len(double.requests) == 1
+        client.job("j-1")  # the POST below goes out on this kept connection
+        with pytest.raises(GatewayError, match="cannot reach the gateway"):
+            client.submit({"name": "a"})
+    assert [r.method for r in double.requests] == ["GET", "POST"]
+
+
+def test_ids_are_one_path_segment_whatever_they_hold() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"job_id": "x"})
+
+    with serving(handler) as double, GatewayClient(Connection(double.url, None)) as client:
+        client.job("jöb a/b")
+        client.cancel("j?1#2")
+        client.node("n%1")
+    assert [r.url.raw_path for r in double.requests] == [
+        b"/v1/jobs/j%C3%B6b%20a%2Fb",
+        b"/v1/jobs/j%3F1%232",
+        b"/v1/nodes/n%251",
+    ]
+
+
+def test_an_answer_that_is_not_json_is_a_clear_error() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text="<html>a proxy's login page</html>")
+
+    with (
+        serving(handler) as double,
+        GatewayClient(Connection(double.url, None)) as client,
+        pytest.raises(GatewayError, match="not JSON"),
+    ):
+        client.job("j-1")
+
+
+def test_a_header_that_cannot_be_sent_is_a_clear_error() -> None:
+    with (
+        GatewayClient(Connection("http://127.0.0.1:1", "bad\ntoken")) as client,
+        pytest.raises(GatewayError, match="cannot send that request"),
+    ):
+        client.job("j-1")
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "port"),
+    [
+        ("http://[::1]", "::1", 80),
+        ("https://[::1]:8443/qm", "::1", 8443),
+        ("https://gw.example", "gw.example", 443),
+        ("http://gw.example:8080", "gw.example", 8080),
+    ],
+)
+def test_default_ports_and_ipv6_hosts(url: str, host: str, port: int) -> None:
+    client = GatewayClient(Connection(url, None))
+    assert (client._host, client._port) == (host, port)
+
+
+def sse(*events: object, cut: bool = False) -> httpx.Response:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    headers = {"content-type": "text/event-stream", "transfer-encoding": "chunked"}
+    if cut:
+        headers["x-double-cut"] = "yes"
+    return httpx.Response(200, content=body.encode(), headers=headers)
+
+
+def test_a_streamed_event_feed_is_read_event_by_event() -> None:
+    with (
+        serving(lambda r: sse({"state": "queued"}, {"state": "running"})) as double,
+        GatewayClient(Connection(double.url, None)) as client,
+    ):
+        assert [e["state"] for e in client.events("j-1")] == ["queued", "running"]
+
+
+def test_a_streamed_event_feed_cut_off_is_an_error_not_an_end() -> None:
+    """A chunked stream closed without its last (empty) chunk broke off; reading it line by
+    line would have ended quietly, as if the server had ended it."""
+    seen: list[str] = []
+    with (
+        serving(lambda r: sse({"state": "queued"}, cut=True)) as double,
+        GatewayClient(Connection(double.url, None)) as client,
+        pytest.raises(GatewayError, match="broke off"),
+    ):
+        for event in client.events("j-1"):
+            seen.append(event["state"])
+    assert seen == ["queued"]
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:1", "http://127.0.0.1:99999", "ftp://gw", "gw"])

@@ -487,11 +487,24 @@ def test_a_cycle_that_raises_half_way_rebuilds_next_time() -> None:
     world.run_cycle()  # rebuilt, and checked strictly against a rebuild
 
 
-def test_a_running_job_read_back_with_other_type_limits_is_counted_again() -> None:
-    """A running job's allocation replaced by one on the same devices whose job accepts other
-    accelerator types is not swapped in as equal: a job restricted to T4 holds a claim on T4
-    (the type-demand term reads it) and the unrestricted copy holds none. The strict check of
-    every cycle fails if the kept state keeps the old claim."""
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"accelerator_types": ()},
+        {"cpu": 7.0},
+        {"memory_gb": 99.0},
+        {"spread_group": "chat"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_a_running_job_read_back_with_other_limits_is_counted_again(
+    change: dict[str, Any],
+) -> None:
+    """A running job's allocation replaced by one on the same devices whose job differs in what
+    the books count is not swapped in as equal: a job restricted to T4 holds a claim on T4 (the
+    type-demand term reads it) and an unrestricted copy holds none; its CPU and memory are in
+    its tenant's fair share; its spread group in the group's counts. The strict check of every
+    cycle fails if the kept state keeps the old charges."""
     world = World(lose=[])
     job = spec(
         job_id="t4-only",
@@ -507,9 +520,8 @@ def test_a_running_job_read_back_with_other_type_limits_is_counted_again() -> No
     assert alloc.cluster == "c2"
     kept = world.working.state
     assert kept is not None and kept.cap.type_claimed_milli.sum() == 1000
-    world.state.running[JobId("t4-only")] = replace(
-        alloc, job=replace(alloc.job, accelerator_types=())
-    )
+    world.state.running[JobId("t4-only")] = replace(alloc, job=replace(alloc.job, **change))
     world.state.touched.add(JobId("t4-only"))
     world.run_cycle()  # checked strictly against a rebuild
-    assert kept.cap.type_claimed_milli.sum() == 0
+    if "accelerator_types" in change:
+        assert kept.cap.type_claimed_milli.sum() == 0
