@@ -112,7 +112,6 @@ class Response:
     status_code: int
     reason_phrase: str
     content: bytes
-    headers: dict[str, str]
 
     @property
     def is_success(self) -> bool:
@@ -226,20 +225,18 @@ class GatewayClient:
             content = answer.read()
             if answer.will_close:
                 self.close()
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             self.close()
-            raise GatewayError(
-                f"cannot reach the gateway at {self.base} ({_reason(exc)}); "
-                "is the stack up? (qm up)"
-            ) from exc
-        except ValueError as exc:  # a header or target http.client refuses to send
-            self.close()
-            raise GatewayError(f"cannot send that request to {self.base}: {exc}") from exc
-        return Response(
-            answer.status,
-            answer.reason,
-            content,
-            {k.lower(): v for k, v in answer.getheaders()},
+            raise self._unsent(exc) from exc
+        return Response(answer.status, answer.reason, content)
+
+    def _unsent(self, exc: Exception) -> GatewayError:
+        """The error for a request that got no answer: the gateway unreachable, or (a
+        ValueError) a header or target http.client refuses to send."""
+        if isinstance(exc, ValueError):
+            return GatewayError(f"cannot send that request to {self.base}: {exc}")
+        return GatewayError(
+            f"cannot reach the gateway at {self.base} ({_reason(exc)}); is the stack up? (qm up)"
         )
 
     def _call(
@@ -324,17 +321,10 @@ class GatewayClient:
                 if stream.sock is not None:
                     stream.sock.settimeout(None)
                 answer = stream.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
-                raise GatewayError(
-                    f"cannot reach the gateway at {self.base} ({_reason(exc)}); "
-                    "is the stack up? (qm up)"
-                ) from exc
-            except ValueError as exc:
-                raise GatewayError(f"cannot send that request to {self.base}: {exc}") from exc
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                raise self._unsent(exc) from exc
             if not 200 <= answer.status < 300:
-                content = answer.read()
-                headers_seen = {k.lower(): v for k, v in answer.getheaders()}
-                self._raise_for(Response(answer.status, answer.reason, content, headers_seen))
+                self._raise_for(Response(answer.status, answer.reason, answer.read()))
             try:
                 yield from parse_sse(_lines(answer))
             except (OSError, http.client.HTTPException) as exc:

@@ -94,7 +94,7 @@ def test_broken_record_falls_back_to_defaults(elsewhere: Path) -> None:
 def test_error_detail_is_readable(status: int, body: object, expected: str) -> None:
     content = json.dumps(body).encode() if isinstance(body, dict) else str(body).encode()
     answer = httpx.Response(status, content=content)
-    response = Response(status, answer.reason_phrase, content, {})
+    response = Response(status, answer.reason_phrase, content)
     assert describe_error(response) == expected
 
 
