@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -67,17 +68,56 @@ def _dump_asyncio_tasks() -> None:
         task.print_stack(file=sys.stderr)
 
 
+def _where(frame: FrameType) -> str:
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _awaits(coro: object, deepest: int = 10) -> str:
+    """A suspended coroutine's chain of awaits, outermost first (Task.get_stack gives only
+    the outermost frame of a suspended coroutine)."""
+    steps: list[str] = []
+    while coro is not None and len(steps) < deepest:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            steps.append(type(coro).__name__)  # a future, or a finished coroutine
+            break
+        steps.append(_where(frame))
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(steps)
+
+
+def waiting_on(frame: FrameType | None, most: int = 12) -> str:
+    """Where the hung phase was, in one line: the interrupted frame and, under a running event
+    loop, each task's awaits from the outermost in (the test's own coroutine among them). It
+    goes into the failure's message, so a CI summary that shows only that still says where a
+    test hung; the full stacks are on stderr."""
+    parts = []
+    if frame is not None:
+        parts.append(f"main thread at {_where(frame)}")
+    loop = asyncio._get_running_loop()
+    tasks = [(t.get_name(), _awaits(t.get_coro())) for t in asyncio.all_tasks(loop)] if loop else []
+    # The tasks that run test code first (the test's own coroutine among them), then by name.
+    tasks.sort(key=lambda task: ("test_" not in task[1], task[0]))
+    parts.extend(f"task {name}: {chain}" for name, chain in tasks[:most])
+    if len(tasks) > most:
+        parts.append(f"{len(tasks) - most} more tasks (on stderr)")
+    return "; ".join(parts)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
     if not hasattr(signal, "SIGALRM"):
         return (yield)
     limit = _limit_for(item)
 
-    def expired(signum: int, frame: object) -> None:
+    def expired(signum: int, frame: FrameType | None) -> None:
         print(f"\n=== {item.nodeid}: a phase ran past {limit:.0f} s; stacks:", file=sys.stderr)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         _dump_asyncio_tasks()
-        raise TestTimeout(f"{item.nodeid}: a phase ran past {limit:.0f} s (QM_TEST_TIMEOUT_S)")
+        raise TestTimeout(
+            f"{item.nodeid}: a phase ran past {limit:.0f} s (QM_TEST_TIMEOUT_S); "
+            f"waiting: {waiting_on(frame)}"
+        )
 
     previous = signal.signal(signal.SIGALRM, expired)
     try:

@@ -87,18 +87,30 @@ class Runtime:
             self.ready = False
             for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._bounded(
+                asyncio.gather(*self._tasks, return_exceptions=True), "stop the loops"
+            )
             if self._started:
                 for hook in reversed(self.shutdown):
-                    try:
-                        await hook()
-                    except Exception:
-                        log.warning("shutdown hook failed", hook=hook.__name__, exc_info=True)
+                    await self._bounded(hook(), hook.__name__)
             if self.singleton is not None:
-                await self.singleton.release()
+                await self._bounded(self.singleton.release(), "release the lease")
             if self.tracing is not None:
                 await asyncio.to_thread(self.tracing.shutdown)  # writes what is queued
             log.info("service stopped")
+
+    async def _bounded(self, step: Awaitable[None], name: str) -> None:
+        """One shutdown step, cut off after `shutdown_step_s`: a step that hangs must not keep
+        the process (or a test) from ever stopping, nor the steps after it from running."""
+        limit = self.settings.shutdown_step_s
+        running = asyncio.ensure_future(step)
+        await asyncio.wait({running}, timeout=limit)
+        if not running.done():
+            # Cancelled, not waited on: a step that hangs may also ignore its cancellation.
+            running.cancel()
+            log.error("shutdown step did not finish; cut off", step=name, limit_s=limit)
+        elif not running.cancelled() and (exc := running.exception()) is not None:
+            log.warning("shutdown step failed", step=name, exc_info=exc)
 
     async def _start(self) -> None:
         for hook in self.startup:
