@@ -15,7 +15,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from cli import render
+from cli import out, render
 from cli.client import GatewayClient
 from cli.errors import GatewayError
 from cli.jobs import gateway
@@ -197,7 +197,7 @@ def node_view(detail: Mapping[str, Any]) -> Group:
     grid.add_row("node", n["node_id"])
     grid.add_row("state", Text(state, style=NODE_STYLES.get(state, "")))
     if n.get("cause"):
-        since = render.when(detail.get("quarantined_since"))
+        since = out.when(detail.get("quarantined_since"))
         grid.add_row("quarantined", f"{n['cause']} since {since}")
     grid.add_row("where", f"{n['cluster']} / {n['block']} / {n['rack']} ({n['nvlink_domain']})")
     grid.add_row("devices", f"{n['accelerators']} x {n['accelerator_type']} ({n['price_tier']})")
@@ -220,7 +220,7 @@ def node_view(detail: Mapping[str, Any]) -> Group:
     for h in detail.get("health") or []:
         style = "red" if h.get("verdict") == "unhealthy" else "green"
         health.add_row(
-            render.when(h.get("at")),
+            out.when(h.get("at")),
             Text(str(h.get("verdict")), style=style),
             h.get("cause") or "-",
             h.get("incident_id") or "-",

@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.text import Text
 
-from cli import render
+from cli import out
 from cli.client import TERMINAL_STATES, GatewayClient, resolve_connection
 from cli.errors import GatewayError, QmError
 from cli.params import gateway_options, json_option, path_type
 
-console = Console()
-errors = Console(stderr=True)
+# rich is imported by the commands that print through it, when they do: `qm list` and the
+# errors of every command print without it (cli.out).
+console = out.LazyConsole()
+errors = out.LazyConsole(stderr=True)
 
 
 # --- job files ---------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def gateway(url: str | None, token: str | None) -> Iterator[GatewayClient]:
         with GatewayClient(resolve_connection(url, token)) as client:
             yield client
     except QmError as exc:
-        errors.print(f"[red]error:[/red] {exc}", highlight=False)
+        out.error(str(exc))
         raise click.exceptions.Exit(1) from exc
 
 
@@ -116,8 +116,10 @@ def submit(file: Path, wait: bool, timeout: float, url: str | None, token: str |
             if not wait:
                 console.print(job_id, highlight=False)
                 continue
+            from cli import render
+
             job = _wait_until_decided(client, job_id, timeout)
-            line = Text(f"{job_id}  ").append_text(render.state_text(job.get("state")))
+            line = render.id_and_state(job_id, job.get("state"))
             if job.get("state") == "rejected":
                 rejected = True
                 line.append(f"  {job.get('reason_code') or ''}  {job.get('message') or ''}")
@@ -138,6 +140,8 @@ def status(job_id: str, as_json: bool, url: str | None, token: str | None) -> No
     if as_json:
         console.print_json(json.dumps(job))
         return
+    from cli import render
+
     console.print(render.job_view(job))
     if why is not None:
         console.print(f"waiting: {why.get('message', '')}", highlight=False)
@@ -165,7 +169,37 @@ def list_jobs(
     if as_json:
         console.print_json(json.dumps({"jobs": jobs}))
     else:
-        console.print(render.jobs_table(jobs))
+        jobs_columns(jobs)
+
+
+LIST_COLUMNS = ("job id", "name", "owner", "queue", "state", "accel", "cluster", "submitted")
+
+
+def jobs_columns(jobs: list[dict[str, Any]]) -> None:
+    rows, styles = [], []
+    for job in jobs:
+        owner = "/".join(str(job[k]) for k in ("tenant", "project") if job.get(k))
+        state = job.get("state")
+        rows.append(
+            (
+                out.cell(job.get("job_id")),
+                out.cell(job.get("name")),
+                owner or "-",
+                out.cell(job.get("queue")),
+                out.cell(state),
+                out.shape(job.get("replicas"), job.get("accelerators")),
+                out.cell(job.get("cluster")),
+                out.when(job.get("submitted_at")),
+            )
+        )
+        styles.append(["", "", "", "", out.STATE_STYLES.get(str(state), ""), "", "", ""])
+    out.columns(
+        LIST_COLUMNS,
+        rows,
+        keep=("job id", "state", "submitted"),
+        styles=styles,
+        title=f"{len(jobs)} job(s)",
+    )
 
 
 @click.command()
@@ -175,8 +209,10 @@ def cancel(job_id: str, url: str | None, token: str | None) -> None:
     """Ask for a job to be canceled (works in every state)."""
     with gateway(url, token) as client:
         answer = client.cancel(job_id)
-    line = Text(f"{answer.get('job_id', job_id)}  ")
-    console.print(line.append_text(render.state_text(answer.get("state", "cancel_requested"))))
+    from cli import render
+
+    state = answer.get("state", "cancel_requested")
+    console.print(render.id_and_state(str(answer.get("job_id", job_id)), state))
 
 
 @click.command()
@@ -184,6 +220,8 @@ def cancel(job_id: str, url: str | None, token: str | None) -> None:
 @gateway_options
 def watch(job_id: str, url: str | None, token: str | None) -> None:
     """Follow a job's lifecycle events live until it ends (Ctrl-C to stop watching)."""
+    from cli import render
+
     try:
         with gateway(url, token) as client:
             for event in client.events(job_id):
@@ -202,4 +240,7 @@ def watch(job_id: str, url: str | None, token: str | None) -> None:
 def explain(job_id: str, url: str | None, token: str | None) -> None:
     """Why is this job where it is (e.g. still pending)?"""
     with gateway(url, token) as client:
-        console.print(render.explanation(client.explain(job_id)))
+        answer = client.explain(job_id)
+    from cli import render
+
+    console.print(render.explanation(answer))

@@ -19,9 +19,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
 
 import click
-from rich.console import Console
 
-from cli import render
+from cli import out
 from cli.client import state_dir
 from cli.errors import QmError, StackError
 from cli.params import path_type
@@ -97,12 +96,12 @@ def app() -> None:
     """Quartermaster: schedule ML jobs on a fleet of accelerator clusters."""
 
 
-console = Console()
-errors = Console(stderr=True)
+console = out.LazyConsole()  # rich only for the commands that print through it
+errors = out.LazyConsole(stderr=True)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    errors.print(f"[red]error:[/red] {message}", highlight=False)
+    out.error(message)
     raise click.exceptions.Exit(code)
 
 
@@ -295,6 +294,7 @@ def ps() -> None:
     """Show the stack's services and servers: pid, port, process state and health."""
     import httpx
 
+    from cli import render
     from cli.probes import redact
     from cli.processes import is_alive
 

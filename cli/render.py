@@ -1,80 +1,26 @@
-"""How `qm` shows things: rich tables for jobs, history and the dev stack, one line per event."""
+"""How `qm` shows things with rich: a job, its history, the dev stack, one line per event.
+(`qm list` prints plain columns: cli.out.)"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-STATE_STYLES = {
-    "submitted": "dim",
-    "queued": "cyan",
-    "placed": "blue",
-    "running": "yellow",
-    "preempting": "magenta",
-    "succeeded": "green",
-    "failed": "red",
-    "canceled": "magenta",
-    "cancel_requested": "magenta",
-    "rejected": "bold red",
-}
+from cli.out import STATE_STYLES, when
+from cli.out import cell as _cell
 
 
 def state_text(state: str | None) -> Text:
     return Text(state or "-", style=STATE_STYLES.get(state or "", ""))
 
 
-def when(value: str | None) -> str:
-    """A timestamp in local time: the clock alone if today, with the date otherwise."""
-    if not value:
-        return "-"
-    try:
-        moment = datetime.fromisoformat(value).astimezone()
-    except ValueError:
-        return value
-    today = datetime.now().astimezone().date()
-    fmt = "%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S"
-    return moment.strftime(fmt)
-
-
-def _cell(value: Any) -> str:
-    if value is None or value == "" or value == []:
-        return "-"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, list | tuple):
-        return ", ".join(str(v) for v in value)
-    return str(value)
-
-
-def _shape(replicas: Any, accelerators: Any) -> str:
-    """A gang's shape, e.g. ``4x8`` (replicas x accelerators each)."""
-    if replicas in (None, 1):
-        return _cell(accelerators)
-    return f"{_cell(replicas)}x{_cell(accelerators)}"
-
-
-def jobs_table(jobs: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title=f"{len(jobs)} job(s)", title_justify="left", header_style="bold")
-    for column in ("job id", "name", "owner", "queue", "state", "accel", "cluster", "submitted"):
-        table.add_column(column, no_wrap=column in ("job id", "state", "submitted"))
-    for job in jobs:
-        owner = "/".join(str(job[k]) for k in ("tenant", "project") if job.get(k))
-        table.add_row(
-            _cell(job.get("job_id")),
-            _cell(job.get("name")),
-            owner or "-",
-            _cell(job.get("queue")),
-            state_text(job.get("state")),
-            _shape(job.get("replicas"), job.get("accelerators")),
-            _cell(job.get("cluster")),
-            when(job.get("submitted_at")),
-        )
-    return table
+def id_and_state(job_id: str, state: str | None) -> Text:
+    """`j-123  queued`, the state in its colour."""
+    return Text(f"{job_id}  ").append_text(state_text(state))
 
 
 def _summary(job: Mapping[str, Any]) -> Table:

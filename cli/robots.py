@@ -36,8 +36,8 @@ from rich.text import Text
 
 from cli import services
 from cli.errors import GatewayError
+from cli.out import when
 from cli.params import OrderedGroup, gateway_options, json_option
-from cli.render import when
 from cli.services import _accepted, _cell, _print_json
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ from rich.text import Text
 from cli.client import GatewayClient, resolve_connection
 from cli.errors import GatewayError, QmError
 from cli.jobs import _jsonable
+from cli.out import when
 from cli.params import OrderedGroup, gateway_options, json_option, path_type
-from cli.render import when
 
 if TYPE_CHECKING:
     from cli.client import Response

@@ -99,7 +99,7 @@ class Runtime:
                 await asyncio.to_thread(self.tracing.shutdown)  # writes what is queued
             log.info("service stopped")
 
-    async def _bounded(self, step: Awaitable[None], name: str) -> None:
+    async def _bounded(self, step: Awaitable[object], name: str) -> None:
         """One shutdown step, cut off after `shutdown_step_s`: a step that hangs must not keep
         the process (or a test) from ever stopping, nor the steps after it from running."""
         limit = self.settings.shutdown_step_s

@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+
+from tests.unit.cli.gateway_double import serving
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -119,6 +122,18 @@ def test_a_gateway_command_loads_only_its_module_and_the_http_client(tmp_path: P
     assert "http.client" in modules  # it did try to reach the gateway
     assert among(modules, (*HEAVY, "httpx", "httpcore", "yaml", "typer", "pydantic")) == []
     assert among(modules, COMMAND_MODULES) == ["cli.jobs"]
+    # Its table and its errors print without rich (cli.out): rich's console alone costs more
+    # than click.
+    assert among(modules, ("rich", "cli.render")) == []
+
+
+def test_a_listing_of_jobs_prints_without_rich(tmp_path: Path) -> None:
+    jobs = [{"job_id": f"j-{i}", "state": "queued", "tenant": "vision"} for i in range(50)]
+    answer = httpx.Response(200, json={"jobs": jobs})
+    with serving(lambda _request: answer) as double:
+        modules = loaded_after(["list", "--gateway", double.url], tmp_path=tmp_path)
+    assert len(double.requests) == 1  # it did fetch and show them
+    assert among(modules, ("rich", "cli.render")) == []
 
 
 def test_the_sim_default_policies_are_every_variant() -> None:
