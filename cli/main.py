@@ -90,7 +90,8 @@ class LazyGroup(click.Group):
 @click.group(
     "qm",
     cls=LazyGroup,
-    context_settings={"show_default": True},
+    # Help as wide as the terminal, to 120 columns (click stops at 80 and cuts summaries).
+    context_settings={"show_default": True, "max_content_width": 120},
 )
 def app() -> None:
     """Quartermaster: schedule ML jobs on a fleet of accelerator clusters."""

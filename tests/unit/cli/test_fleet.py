@@ -288,3 +288,12 @@ def test_every_command_is_registered() -> None:
     for name in names:  # each name the help lists runs the command of that name
         command = app.get_command(ctx, name)
         assert command is not None and command.name == name
+
+
+def test_the_root_help_uses_a_wide_terminal_for_whole_summaries() -> None:
+    wide = CliRunner().invoke(app, ["--help"], terminal_width=120)
+    assert "Start Kafka, PostgreSQL, Redis and every service; Ctrl-C stops everything." in (
+        wide.output
+    )
+    narrow = CliRunner().invoke(app, ["--help"], terminal_width=80)
+    assert "Ctrl-C stops everything" not in narrow.output  # cut to fit, with "..."
