@@ -144,9 +144,12 @@ def status(job_id: str, as_json: bool, url: str | None, token: str | None) -> No
 
     console.print(render.job_view(job))
     if why is not None:
-        console.print(f"waiting: {why.get('message', '')}", highlight=False)
+        # The gateway's words, not markup: printed as they are, control characters replaced.
+        waiting = out.clean(str(why.get("message", "")))
+        console.print(f"waiting: {waiting}", markup=False, highlight=False)
         if why.get("growing"):
-            console.print(f"capacity: {why['growing']['message']}", highlight=False)
+            growing = out.clean(str(why["growing"].get("message", "")))
+            console.print(f"capacity: {growing}", markup=False, highlight=False)
 
 
 @click.command("list")

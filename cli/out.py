@@ -6,7 +6,8 @@ third of `qm list`'s whole run (docs/performance.md, "The CLI's start"). `column
 kubectl-style columns instead: a header, two spaces between columns, cells cut with an
 ellipsis to fit a terminal's width and never cut when the output goes to a pipe or a file, so
 `qm list | grep` sees every id whole. Colour only on a terminal, and never under NO_COLOR or
-TERM=dumb.
+TERM=dumb, always under FORCE_COLOR. What the gateway answered is written with its control
+characters replaced (`clean`): a job name cannot drive the terminal.
 """
 
 from __future__ import annotations
@@ -70,13 +71,33 @@ class LazyConsole:
 def colour_on(stream: IO[str]) -> bool:
     if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
     return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def clean(text: str, keep: str = "") -> str:
+    """`text` safe to write to a terminal: what a gateway answered (a job's name, a reason)
+    may hold escape sequences that would recolour, move the cursor or retitle the terminal,
+    newlines that would forge table rows, or bidi overrides that reorder what is shown. Each
+    control, format or line-separator character (other than those in `keep`) becomes "?",
+    other spaces a plain space."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char
+        if char.isprintable() or char in keep
+        else " "
+        if unicodedata.category(char) == "Zs"
+        else "?"
+        for char in text
+    )
 
 
 def error(message: str) -> None:
     """`error: message` on stderr, the label in red on a terminal."""
     label = click.style("error:", fg="red") if colour_on(sys.stderr) else "error:"
-    click.echo(f"{label} {message}", err=True, color=colour_on(sys.stderr))
+    click.echo(f"{label} {clean(message, keep=chr(10))}", err=True, color=colour_on(sys.stderr))
 
 
 def when(value: str | None) -> str:
@@ -85,8 +106,8 @@ def when(value: str | None) -> str:
         return "-"
     try:
         moment = datetime.fromisoformat(value).astimezone()
-    except ValueError:
-        return value
+    except (TypeError, ValueError, OverflowError, OSError):
+        return str(value)  # not a time (a number, year 1 or 9999 at the edge of a zone): as is
     today = datetime.now().astimezone().date()
     fmt = "%H:%M:%S" if moment.date() == today else "%Y-%m-%d %H:%M:%S"
     return moment.strftime(fmt)
@@ -112,12 +133,12 @@ def shape(replicas: Any, accelerators: Any) -> str:
 
 def width_of(text: str) -> int:
     """Terminal cells `text` takes: East Asian wide and full-width characters take two,
-    combining marks none."""
+    combining and enclosing marks none (Thai and Devanagari vowel signs among them)."""
     if text.isascii():
         return len(text)
     cells = 0
     for char in text:
-        if unicodedata.combining(char):
+        if unicodedata.category(char) in ("Mn", "Me"):
             continue
         cells += 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
     return cells
@@ -143,7 +164,7 @@ def fit(natural: list[int], keep: Sequence[bool], room: int) -> list[int]:
     """Column widths that fit in `room` cells (gaps excluded): the widest column that may be
     shortened gives up a cell at a time, to no less than 5 cells; columns marked `keep` (ids,
     times) are never shortened. If even that does not fit, the line is left to wrap."""
-    widths = list(natural)
+    widths = [min(w, max(room, 5)) for w in natural]  # no column wider than the line
     while sum(widths) > room:
         candidates = [i for i, w in enumerate(widths) if not keep[i] and w > 5]
         if not candidates:
@@ -166,6 +187,8 @@ def columns(
     the state colours, or ""); `keep` names the columns never shortened."""
     out = stream or sys.stdout
     colour = colour_on(out)
+    headers = [clean(h) for h in headers]
+    rows = [[clean(value) for value in row] for row in rows]
     natural = [
         max([width_of(h), *(width_of(row[i]) for row in rows)]) for i, h in enumerate(headers)
     ]
@@ -175,8 +198,8 @@ def columns(
         widths = fit(natural, [h in keep for h in headers], room)
     lines = []
     if title:
-        lines.append(title)
-    head = GAP.join(_pad(h.upper(), w) for h, w in zip(headers, widths, strict=True))
+        lines.append(clean(title))
+    head = GAP.join(_pad(cut(h.upper(), w), w) for h, w in zip(headers, widths, strict=True))
     lines.append(_paint(head.rstrip(), "bold", colour))
     last = len(headers) - 1
     for r, row in enumerate(rows):

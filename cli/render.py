@@ -1,5 +1,9 @@
 """How `qm` shows things with rich: a job, its history, the dev stack, one line per event.
-(`qm list` prints plain columns: cli.out.)"""
+(`qm list` prints plain columns: cli.out.)
+
+What the gateway answered goes in as `Text` made from `clean` text (`_safe`): a plain string
+in a rich table is read as markup (a job named `[/]` would crash the command, `[red]` recolour
+it), and rich passes escape sequences through to the terminal."""
 
 from __future__ import annotations
 
@@ -10,17 +14,21 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from cli.out import STATE_STYLES, when
+from cli.out import STATE_STYLES, clean, when
 from cli.out import cell as _cell
 
 
+def _safe(value: Any) -> Text:
+    return Text(clean(_cell(value)))
+
+
 def state_text(state: str | None) -> Text:
-    return Text(state or "-", style=STATE_STYLES.get(state or "", ""))
+    return Text(clean(state or "-"), style=STATE_STYLES.get(state or "", ""))
 
 
 def id_and_state(job_id: str, state: str | None) -> Text:
     """`j-123  queued`, the state in its colour."""
-    return Text(f"{job_id}  ").append_text(state_text(state))
+    return Text(f"{clean(job_id)}  ").append_text(state_text(state))
 
 
 def _summary(job: Mapping[str, Any]) -> Table:
@@ -53,7 +61,7 @@ def _summary(job: Mapping[str, Any]) -> Table:
     ]
     for label, value in rows:
         if value is not None and value != []:
-            grid.add_row(label, value if isinstance(value, Text) else _cell(value))
+            grid.add_row(label, value if isinstance(value, Text) else _safe(value))
     return grid
 
 
@@ -63,11 +71,11 @@ def history_table(history: Sequence[Mapping[str, Any]]) -> Table:
         table.add_column(column)
     for item in history:
         table.add_row(
-            when(item.get("at")),
+            _safe(when(item.get("at"))),
             state_text(item.get("state")),
-            _cell(item.get("event_type") or item.get("type")),
-            _cell(item.get("reason_code")),
-            _cell(item.get("message")),
+            _safe(item.get("event_type") or item.get("type")),
+            _safe(item.get("reason_code")),
+            _safe(item.get("message")),
         )
     return table
 
@@ -78,20 +86,22 @@ def job_view(job: Mapping[str, Any]) -> Group:
 
 def event_line(event: Mapping[str, Any]) -> Text:
     """One lifecycle event as a single line for `qm watch`."""
-    line = Text(f"{when(event.get('at'))}  ")
+    line = Text(f"{clean(when(event.get('at')))}  ")
     line.append_text(state_text(event.get("state")))
     kind = event.get("event_type") or event.get("type")
     for part in (kind, event.get("reason_code"), event.get("message")):
         if part:
-            line.append(f"  {part}")
+            line.append(f"  {clean(str(part))}")
     return line
 
 
 def explanation(result: Mapping[str, Any]) -> Group:
-    head = Text(f"{result.get('job_id')}  ")
+    head = Text(f"{clean(str(result.get('job_id')))}  ")
     head.append_text(state_text(result.get("state")))
     codes = ", ".join(result.get("codes") or []) or "-"
-    return Group(head, Text(f"codes: {codes}"), Text(str(result.get("message") or "")))
+    return Group(
+        head, Text(clean(f"codes: {codes}")), Text(clean(str(result.get("message") or "")))
+    )
 
 
 def services_table(rows: Sequence[Mapping[str, Any]]) -> Table:

@@ -27,10 +27,10 @@ from urllib.parse import quote
 
 import click
 from rich.console import Console, Group
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from cli import out
 from cli.client import GatewayClient, resolve_connection
 from cli.errors import GatewayError, QmError
 from cli.jobs import _jsonable
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from cli.client import Response
 
 console = Console()
-errors = Console(stderr=True)
 
 # The fields of a service file (schemas.serving.ServiceSpec, its Resources and RolloutPolicy).
 # The gateway ignores fields it does not know, so a typo (`max_replica: 6`) would silently
@@ -150,7 +149,7 @@ def gateway(url: str | None, token: str | None) -> Iterator[ServiceClient]:
         with client:
             yield client
     except QmError as exc:
-        errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
+        out.error(str(exc))
         raise click.exceptions.Exit(1) from exc
 
 

@@ -114,9 +114,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         print(f"\n=== {item.nodeid}: a phase ran past {limit:.0f} s; stacks:", file=sys.stderr)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         _dump_asyncio_tasks()
+        try:
+            where = waiting_on(frame)
+        except Exception as exc:  # the report must never replace the failure it reports
+            where = f"(not known: {exc!r})"
         raise TestTimeout(
-            f"{item.nodeid}: a phase ran past {limit:.0f} s (QM_TEST_TIMEOUT_S); "
-            f"waiting: {waiting_on(frame)}"
+            f"{item.nodeid}: a phase ran past {limit:.0f} s (QM_TEST_TIMEOUT_S); waiting: {where}"
         )
 
     previous = signal.signal(signal.SIGALRM, expired)

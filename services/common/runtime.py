@@ -87,29 +87,42 @@ class Runtime:
             self.ready = False
             for task in self._tasks:
                 task.cancel()
+            tasks = list(self._tasks)
             await self._bounded(
-                asyncio.gather(*self._tasks, return_exceptions=True), "stop the loops"
+                lambda: asyncio.gather(*tasks, return_exceptions=True), "stop the loops"
             )
             if self._started:
                 for hook in reversed(self.shutdown):
-                    await self._bounded(hook(), hook.__name__)
+                    await self._bounded(hook, _name_of(hook))
             if self.singleton is not None:
-                await self._bounded(self.singleton.release(), "release the lease")
+                await self._bounded(self.singleton.release, "release the lease")
             if self.tracing is not None:
                 await asyncio.to_thread(self.tracing.shutdown)  # writes what is queued
             log.info("service stopped")
 
-    async def _bounded(self, step: Awaitable[object], name: str) -> None:
+    async def _bounded(self, step: Callable[[], Awaitable[object]], name: str) -> None:
         """One shutdown step, cut off after `shutdown_step_s`: a step that hangs must not keep
-        the process (or a test) from ever stopping, nor the steps after it from running."""
+        the service (or a test) from stopping, nor the steps after it from running. A step
+        that also ignores its cancellation is left behind; the process still exits, but an
+        event loop that is closed afterwards (asyncio.run's) waits for it."""
         limit = self.settings.shutdown_step_s
-        running = asyncio.ensure_future(step)
-        await asyncio.wait({running}, timeout=limit)
+        try:
+            running = asyncio.ensure_future(step())
+        except Exception:
+            log.warning("shutdown step failed", step=name, exc_info=True)
+            return
+        try:
+            await asyncio.wait({running}, timeout=limit)
+        except asyncio.CancelledError:
+            running.cancel()  # the shutdown itself was cancelled: so is its step
+            raise
         if not running.done():
-            # Cancelled, not waited on: a step that hangs may also ignore its cancellation.
-            running.cancel()
+            running.cancel()  # not waited on: it may ignore its cancellation as well
+            running.add_done_callback(_retrieve)
             log.error("shutdown step did not finish; cut off", step=name, limit_s=limit)
-        elif not running.cancelled() and (exc := running.exception()) is not None:
+        elif running.cancelled():
+            log.warning("shutdown step was cancelled", step=name)
+        elif (exc := running.exception()) is not None:
             log.warning("shutdown step failed", step=name, exc_info=exc)
 
     async def _start(self) -> None:
@@ -222,6 +235,18 @@ class HttpMetrics:
 _own_process = False
 
 
+def _name_of(hook: Hook) -> str:
+    # Most services' hooks are all called `close`: the module says whose it is.
+    module = getattr(hook, "__module__", None) or "?"
+    return f"{module}.{getattr(hook, '__qualname__', None) or repr(hook)}"
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    # A step that failed after it was cut off: its error was no longer awaited by anyone.
+    if not task.cancelled():
+        task.exception()
+
+
 def freeze_heap() -> int:
     """Collect once, then move every object alive into the collector's permanent generation:
     never scanned again, so a full collection costs what the service made since rather than
@@ -291,5 +316,8 @@ def serve(app: FastAPI, settings: ServiceSettings, name: str) -> None:
         log_level="warning",
         access_log=False,
         lifespan="on",
+        # Open connections (an SSE stream of `qm watch`, the dashboard's) get this long to end
+        # before the lifespan's shutdown runs; uvicorn would otherwise wait for them forever.
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_step_s)),
     )
     uvicorn.Server(config).run()

@@ -36,10 +36,10 @@ class ServiceSettings(BaseSettings):
     # what start-up read) out of the cyclic garbage collector's reach (gc.freeze): a full
     # collection then scans only what the service made since. docs/performance.md measures it.
     gc_freeze: bool = True
-    # Each shutdown step (a service's close hook, the lease's release) gets this long; one that
-    # hangs (a broker that never answers a consumer's leave, a pool whose connection is never
-    # given back) is cut off with an error naming it, and the steps after it still run, so a
-    # stopping service ends well inside Kubernetes' 30 s grace period instead of never.
+    # Each shutdown step (open HTTP connections ending, the loops' cancellation, each close
+    # hook, the lease's release) gets this long; one that hangs (a broker that never answers a
+    # consumer's leave, a pool whose connection is never given back) is cut off with an error
+    # naming it, and the steps after it still run (docs/deploy.md, "Stopping").
     shutdown_step_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
     # A consumer whose batch has failed (retryably) for this long raises one alert.raised
     # (cause consumer_stalled); it goes on retrying with backoff either way.

@@ -41,7 +41,7 @@ async def collect(
     )
     await consumer.start()
     found: list[tuple[str, dict[str, Any]]] = []
-    seen: set[str] = set()  # at-least-once: the same event may be on a topic twice
+    seen: set[Any] = set()  # at-least-once: the same event may be on a topic twice
     try:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while len(found) < count and asyncio.get_running_loop().time() < deadline:

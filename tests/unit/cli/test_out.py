@@ -90,3 +90,59 @@ def test_columns_that_must_not_be_cut_are_kept_even_if_the_line_then_wraps() -> 
 )
 def test_cells(value: object, text: str) -> None:
     assert out.cell(value) == text
+
+
+@pytest.mark.parametrize(
+    ("hostile", "shown"),
+    [
+        ("\x1b[2J\x1b]0;pwned\x07name", "?[2J?]0;pwned?name"),  # clear screen, retitle
+        ("two\nrows", "two?rows"),  # a forged table row
+        ("abc\u202edcba", "abc?dcba"),  # a right-to-left override
+        ("tab\there", "tab?here"),
+        ("no\u00a0break", "no break"),
+        ("ジョブ-é", "ジョブ-é"),  # printable text is left alone
+    ],
+)
+def test_what_the_gateway_answered_cannot_drive_the_terminal(hostile: str, shown: str) -> None:
+    stream = Terminal()
+    out.columns(["name"], [[hostile]], stream=stream, title=hostile)
+    assert stream.getvalue().splitlines()[0] == shown
+    assert ANSI.sub("", stream.getvalue().splitlines()[2]) == shown
+
+
+def test_an_error_keeps_its_lines_and_loses_escape_sequences(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out.error("the gateway said:\n\x1b[31mno\x1b[0m")
+    assert capsys.readouterr().err == "error: the gateway said:\n?[31mno?[0m\n"
+
+
+def test_a_header_is_cut_with_its_column(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 80 columns, the job list's eight: the cut columns end narrower than their headers, and
+    # every header must still start where its column does.
+    monkeypatch.setenv("COLUMNS", "80")
+    stream = Terminal()
+    row = ("j-0001-7f3a9c", "resnet-sweep", "vision/detect", "batch", "succeeded", "2x8")
+    out.columns(
+        ("job id", "name", "owner", "queue", "state", "accel", "cluster", "submitted"),
+        [(*row, "onprem-h100", "2026-01-01 10:00:00")],
+        keep=("job id", "state", "submitted"),
+        stream=stream,
+    )
+    head, line = (ANSI.sub("", x) for x in stream.getvalue().splitlines())
+    assert out.width_of(head) <= 80 and out.width_of(line) <= 80
+    assert head.index("SUBMITTED") == line.index("2026-01-01")
+    assert head.index("STATE") == line.index("succeeded")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [12345, "0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00", "yesterday"],
+)
+def test_a_time_that_cannot_be_shown_as_local_is_shown_as_it_came(value: object) -> None:
+    assert out.when(value) == str(value)  # type: ignore[arg-type]
+
+
+def test_marks_that_take_no_cell() -> None:
+    assert out.width_of("กิ") == 1  # Thai: a consonant and a vowel sign above it
+    assert out.width_of("कु") == 1  # Devanagari: a consonant and a vowel sign below it

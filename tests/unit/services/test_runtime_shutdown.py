@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import structlog
 from fastapi import FastAPI
 
@@ -43,7 +44,57 @@ async def test_a_hanging_close_hook_is_cut_off_and_the_others_still_run() -> Non
     never.set()  # let the cut-off step end, so the test leaves no task behind
     await asyncio.sleep(0)
     assert ran == ["fails", "hangs", "first_registered"]
+    here = f"{__name__}.test_a_hanging_close_hook_is_cut_off_and_the_others_still_run.<locals>"
     cut = [e for e in logs if e["event"] == "shutdown step did not finish; cut off"]
-    assert [(e["step"], e["limit_s"]) for e in cut] == [("hangs", 0.2)]
-    assert [e["step"] for e in logs if e["event"] == "shutdown step failed"] == ["fails"]
+    assert [(e["step"], e["limit_s"]) for e in cut] == [(f"{here}.hangs", 0.2)]
+    assert [e["step"] for e in logs if e["event"] == "shutdown step failed"] == [f"{here}.fails"]
     assert logs[-1]["event"] == "service stopped"
+
+
+async def test_a_hook_that_is_no_coroutine_and_raises_does_not_stop_the_others() -> None:
+    service = Runtime("t", ServiceSettings(shutdown_step_s=5))
+    ran: list[str] = []
+
+    async def after() -> None:
+        ran.append("after")
+
+    def broken() -> None:  # not even a coroutine function: it raises when called
+        raise RuntimeError("closed twice")
+
+    service.on_shutdown(after)
+    service.on_shutdown(broken)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        async with service.lifespan(FastAPI()):
+            pass
+    assert ran == ["after"]
+    assert [e["step"].rsplit(".", 1)[-1] for e in logs if e["event"] == "shutdown step failed"] == [
+        "broken"
+    ]
+
+
+async def test_a_shutdown_that_is_itself_cancelled_cancels_its_step() -> None:
+    service = Runtime("t", ServiceSettings(shutdown_step_s=60))
+    entered, never = asyncio.Event(), asyncio.Event()
+    outcome: list[str] = []
+
+    async def slow() -> None:
+        entered.set()
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+            raise
+
+    service.on_shutdown(slow)
+
+    async def run() -> None:
+        async with service.lifespan(FastAPI()):
+            pass
+
+    task = asyncio.create_task(run())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)  # the step's cancellation is delivered
+    assert outcome == ["cancelled"]
