@@ -20,6 +20,7 @@ from cli.client import GatewayClient
 from cli.errors import GatewayError
 from cli.jobs import gateway
 from cli.params import gateway_options, json_option
+from cli.render import SafeTable
 
 console = Console()
 
@@ -79,7 +80,7 @@ def devices_bar(devices: Sequence[Mapping[str, Any]]) -> Text:
 
 def queues_view(report: Mapping[str, Any]) -> Group:
     tenants = report.get("tenants") or []
-    summary = Table(title="tenants", title_justify="left", header_style="bold")
+    summary = SafeTable(title="tenants", title_justify="left", header_style="bold")
     for column in ("tenant", "held", "fair share", "actual", "pending", "pending accel"):
         summary.add_column(column, justify="left" if column == "tenant" else "right")
     for column in ("wait p50", "wait p90", "preempted", "caused"):
@@ -101,7 +102,7 @@ def queues_view(report: Mapping[str, Any]) -> Group:
             str(t.get("preemptions_given", 0)),
             reasons or "-",
         )
-    quotas = Table(title="quota by accelerator type", title_justify="left", header_style="bold")
+    quotas = SafeTable(title="quota by accelerator type", title_justify="left", header_style="bold")
     quotas.add_column("tenant")
     quotas.add_column("type")
     for column in ("nominal", "held", "borrowed", "lent", "pending jobs", "pending accel"):
@@ -145,7 +146,7 @@ def queues(hours: float | None, as_json: bool, url: str | None, token: str | Non
 
 
 def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title=f"{len(nodes)} node(s)", title_justify="left", header_style="bold")
+    table = SafeTable(title=f"{len(nodes)} node(s)", title_justify="left", header_style="bold")
     for column in ("node", "cluster", "block/rack", "type", "state", "idle", "devices", "cause"):
         table.add_column(column, justify="right" if column == "idle" else "left")
     for n in nodes:
@@ -190,7 +191,7 @@ def nodes(
 
 def node_view(detail: Mapping[str, Any]) -> Group:
     n = detail["node"]
-    grid = Table.grid(padding=(0, 2))
+    grid = SafeTable.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     state = str(n.get("state"))
@@ -202,7 +203,7 @@ def node_view(detail: Mapping[str, Any]) -> Group:
     grid.add_row("where", f"{n['cluster']} / {n['block']} / {n['rack']} ({n['nvlink_domain']})")
     grid.add_row("devices", f"{n['accelerators']} x {n['accelerator_type']} ({n['price_tier']})")
     grid.add_row("in use", devices_bar(n.get("devices") or []))
-    jobs = Table(title="jobs on it", title_justify="left", header_style="bold")
+    jobs = SafeTable(title="jobs on it", title_justify="left", header_style="bold")
     for column in ("job", "tenant", "state", "replicas", "accelerators", "devices"):
         jobs.add_column(column)
     for j in detail.get("jobs") or []:
@@ -214,7 +215,7 @@ def node_view(detail: Mapping[str, Any]) -> Group:
             _num(j.get("accelerators")),
             ", ".join(str(d) for d in j.get("devices") or []) or "-",
         )
-    health = Table(title="health history", title_justify="left", header_style="bold")
+    health = SafeTable(title="health history", title_justify="left", header_style="bold")
     for column in ("at", "verdict", "cause", "incident", "detail"):
         health.add_column(column)
     for h in detail.get("health") or []:
@@ -251,7 +252,7 @@ def top_frame(fleet: Mapping[str, Any], report: Mapping[str, Any], *, source: st
     the oldest pending jobs and where common gang shapes fit now."""
     stamp = datetime.now(UTC).astimezone().strftime("%H:%M:%S")
     head = Text(f"Quartermaster  {source}  {stamp}", style="bold")
-    types = Table(title="accelerators", title_justify="left", header_style="bold", box=None)
+    types = SafeTable(title="accelerators", title_justify="left", header_style="bold", box=None)
     types.add_column("type")
     for column in ("total", "allocated", "held", "idle", "unhealthy", "use"):
         types.add_column(column, justify="right")
@@ -274,7 +275,7 @@ def top_frame(fleet: Mapping[str, Any], report: Mapping[str, Any], *, source: st
     states = Text("jobs  ")
     for state in (*ACTIVE_STATES, *sorted(set(counts) - set(ACTIVE_STATES))):
         states.append_text(render.state_text(state)).append(f" {counts.get(state, 0)}   ")
-    busiest = Table(title="top tenants", title_justify="left", header_style="bold", box=None)
+    busiest = SafeTable(title="top tenants", title_justify="left", header_style="bold", box=None)
     busiest.add_column("tenant")
     for column in ("held", "fair share", "actual", "pending", "wait p50"):
         busiest.add_column(column, justify="right")
@@ -287,7 +288,7 @@ def top_frame(fleet: Mapping[str, Any], report: Mapping[str, Any], *, source: st
             str(t.get("pending_jobs", 0)),
             _duration((t.get("wait") or {}).get("p50_s")),
         )
-    oldest = Table(title="oldest pending", title_justify="left", header_style="bold", box=None)
+    oldest = SafeTable(title="oldest pending", title_justify="left", header_style="bold", box=None)
     for column in ("job", "tenant", "waiting", "because"):
         oldest.add_column(column)
     waiting = [(t["tenant"], t["oldest_pending"]) for t in tenants if t.get("oldest_pending")]

@@ -8,17 +8,17 @@ from typing import Any
 
 import click
 from rich.console import Console, Group
-from rich.table import Table
 from rich.text import Text
 
 from cli.jobs import gateway
 from cli.params import gateway_options, json_option
+from cli.render import SafeTable
 
 console = Console()
 
 
 def pools_view(report: dict[str, Any]) -> Group:
-    table = Table(title="elastic pools", title_justify="left", header_style="bold")
+    table = SafeTable(title="elastic pools", title_justify="left", header_style="bold")
     for column in ("cluster", "pool", "type", "tier", "ready", "coming", "busy", "desired"):
         table.add_column(
             column, justify="right" if column in ("ready", "coming", "busy") else "left"
@@ -42,7 +42,7 @@ def pools_view(report: dict[str, Any]) -> Group:
             f"{p['min_nodes']}..{p['max_nodes']}",
             Text(said, style="red" if p.get("failing") else ""),
         )
-    shapes = Table(title="waiting for capacity", title_justify="left", header_style="bold")
+    shapes = SafeTable(title="waiting for capacity", title_justify="left", header_style="bold")
     for column in ("replicas", "accelerators each", "types", "jobs"):
         shapes.add_column(column, justify="right" if column != "types" else "left")
     for s in report.get("waiting_for_capacity") or []:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rich.console import Group
+from rich.console import Group, RenderableType
+from rich.style import StyleType
 from rich.table import Table
 from rich.text import Text
 
@@ -20,6 +21,21 @@ from cli.out import cell as _cell
 
 def _safe(value: Any) -> Text:
     return Text(clean(_cell(value)))
+
+
+class SafeTable(Table):
+    """A rich table whose string cells are shown as the text they are: cleaned of control
+    characters and never read as markup. For every table of what the gateway answered (node
+    names, service names, reasons): a name holding `[/]` would otherwise crash the command."""
+
+    def add_row(
+        self,
+        *renderables: RenderableType | None,
+        style: StyleType | None = None,
+        end_section: bool = False,
+    ) -> None:
+        cells = [Text(clean(r)) if isinstance(r, str) else r for r in renderables]
+        super().add_row(*cells, style=style, end_section=end_section)
 
 
 def state_text(state: str | None) -> Text:

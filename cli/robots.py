@@ -38,6 +38,7 @@ from cli import services
 from cli.errors import GatewayError
 from cli.out import when
 from cli.params import OrderedGroup, gateway_options, json_option
+from cli.render import SafeTable
 from cli.services import _accepted, _cell, _print_json
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ def _health(robot: Mapping[str, Any]) -> Text:
 
 
 def robots_table(robots: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title=f"{len(robots)} robot(s)", title_justify="left", header_style="bold")
+    table = SafeTable(title=f"{len(robots)} robot(s)", title_justify="left", header_style="bold")
     for column in ("robot", "cluster", "site", "link", "last seen", "running", "health"):
         table.add_column(column, no_wrap=column in ("robot", "link", "last seen"))
     for r in robots:
@@ -237,7 +238,9 @@ def _of(a: Any, b: Any) -> str:
 
 
 def deployments_table(views: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title=f"{len(views)} deployment(s)", title_justify="left", header_style="bold")
+    table = SafeTable(
+        title=f"{len(views)} deployment(s)", title_justify="left", header_style="bold"
+    )
     for column in ("deployment", "tenant", "model", "version", "previous", "phase"):
         table.add_column(column, no_wrap=column in ("deployment", "phase"))
     for column in ("wave", "on version/selected", "online"):
@@ -262,7 +265,7 @@ def deployments_table(views: Sequence[Mapping[str, Any]]) -> Table:
 
 def _summary(view: Mapping[str, Any]) -> Table:
     s = view.get("status") or {}
-    grid = Table.grid(padding=(0, 2))
+    grid = SafeTable.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     version = _cell(s.get("version"))
@@ -291,7 +294,7 @@ def _summary(view: Mapping[str, Any]) -> Table:
 
 
 def history_table(history: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="history (newest first)", title_justify="left", header_style="bold")
+    table = SafeTable(title="history (newest first)", title_justify="left", header_style="bold")
     table.add_column("revision", justify="right")
     table.add_column("at", no_wrap=True)
     table.add_column("phase", no_wrap=True)

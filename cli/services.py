@@ -36,6 +36,7 @@ from cli.errors import GatewayError, QmError
 from cli.jobs import _jsonable
 from cli.out import when
 from cli.params import OrderedGroup, gateway_options, json_option, path_type
+from cli.render import SafeTable
 
 if TYPE_CHECKING:
     from cli.client import Response
@@ -251,7 +252,7 @@ def _counts(status: Mapping[str, Any]) -> str:
 
 
 def services_table(views: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title=f"{len(views)} service(s)", title_justify="left", header_style="bold")
+    table = SafeTable(title=f"{len(views)} service(s)", title_justify="left", header_style="bold")
     for column in ("service", "tenant", "model", "version", "phase"):
         table.add_column(column, no_wrap=column in ("service", "phase"))
     table.add_column("ready/desired", justify="right", no_wrap=True)
@@ -276,7 +277,7 @@ def services_table(views: Sequence[Mapping[str, Any]]) -> Table:
 
 def _summary(view: Mapping[str, Any]) -> Table:
     s = view.get("status") or {}
-    grid = Table.grid(padding=(0, 2))
+    grid = SafeTable.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     version = _cell(s.get("version"))
@@ -308,7 +309,7 @@ def _summary(view: Mapping[str, Any]) -> Table:
 
 
 def replicas_table(replicas: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="replicas", title_justify="left", header_style="bold")
+    table = SafeTable(title="replicas", title_justify="left", header_style="bold")
     for column in ("replica", "version", "state", "guaranteed", "cluster/node", "address"):
         table.add_column(column, no_wrap=column in ("replica", "state"))
     table.add_column("since", no_wrap=True)
@@ -328,7 +329,7 @@ def replicas_table(replicas: Sequence[Mapping[str, Any]]) -> Table:
 
 
 def endpoints_table(endpoints: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="endpoints", title_justify="left", header_style="bold")
+    table = SafeTable(title="endpoints", title_justify="left", header_style="bold")
     for column in ("replica", "version", "address"):
         table.add_column(column)
     for e in endpoints:
@@ -337,7 +338,7 @@ def endpoints_table(endpoints: Sequence[Mapping[str, Any]]) -> Table:
 
 
 def history_table(history: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="history (newest first)", title_justify="left", header_style="bold")
+    table = SafeTable(title="history (newest first)", title_justify="left", header_style="bold")
     table.add_column("revision", justify="right")
     table.add_column("at", no_wrap=True)
     for column in ("change", "version"):
@@ -379,7 +380,7 @@ def per_version(status: Mapping[str, Any]) -> list[tuple[str, int, int]]:
 
 
 def rollout_view(status: Mapping[str, Any]) -> Table:
-    grid = Table.grid(padding=(0, 2))
+    grid = SafeTable.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     grid.add_row("service", _cell(status.get("service")))

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from cli.jobs import gateway
 from cli.params import gateway_options, json_option
+from cli.render import SafeTable
 
 console = Console()
 
@@ -32,7 +33,7 @@ def usage_table(report: dict[str, Any]) -> Table:
     dims = list(report.get("group_by") or [])
     total = report.get("total") or {}
     currency = total.get("currency") if isinstance(total.get("currency"), str) else ""
-    table = Table(
+    table = SafeTable(
         title=f"usage {report.get('from', '?')} .. {report.get('to', '?')}",
         header_style="bold",
         show_footer=bool(report.get("rows")),
@@ -55,7 +56,7 @@ def usage_table(report: dict[str, Any]) -> Table:
 
 
 def efficiency_table(report: dict[str, Any]) -> Table:
-    table = Table(
+    table = SafeTable(
         title=f"fleet efficiency {report.get('from', '?')} .. {report.get('to', '?')}",
         header_style="bold",
     )

@@ -3,7 +3,9 @@ escape sequences: `qm status`, `qm watch` and `qm explain` of a job with a hosti
 
 from __future__ import annotations
 
+import inspect
 import io
+import re
 
 from rich.console import Console
 
@@ -37,3 +39,25 @@ def test_event_lines_and_explanations_too() -> None:
     for text in (line, why):
         assert "[/] [red]x" in text
         assert "\x1b" not in text and "\x07" not in text
+
+
+def test_a_safe_table_shows_string_cells_as_text() -> None:
+    table = render.SafeTable("name", "state")
+    table.add_row(HOSTILE, None)
+    table.add_row("plain", render.state_text("queued"))
+    text = shown(table)  # a markup error would raise here
+    assert "[/] [red]x?]0;pwned??[2J" in text and "plain" in text
+    assert "\x1b" not in text and "\x07" not in text
+
+
+def test_the_gateway_commands_build_their_tables_safely() -> None:
+    # Every table of the commands that show what the gateway answered is a SafeTable.
+    import cli.fleet
+    import cli.pools
+    import cli.robots
+    import cli.services
+    import cli.usage
+
+    for module in (cli.fleet, cli.pools, cli.robots, cli.services, cli.usage):
+        source = inspect.getsource(module)
+        assert re.search(r"(?<![A-Za-z_.])Table(\(|\.grid\()", source) is None, module.__name__
