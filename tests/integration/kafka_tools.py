@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+# A client's start and stop get a bound: one that hangs (a broker that never answers) fails
+# its test with what hung, where it would otherwise wait for the suite's phase timeout.
+START_S = 60.0
+STOP_S = 30.0
+
+
+async def bounded(step: Awaitable[object], seconds: float, what: str) -> None:
+    try:
+        async with asyncio.timeout(seconds):
+            await step
+    except TimeoutError as exc:
+        raise TimeoutError(f"{what} did not finish within {seconds:.0f} s") from exc
+
 
 async def produce(bootstrap: str, topic: str, messages: Iterable[tuple[str | None, bytes]]) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_batch_size=1 << 20)
-    await producer.start()
+    await bounded(producer.start(), START_S, "a test producer's start")
     try:
         futures = [
             await producer.send(topic, value, key=key.encode() if key else None)
@@ -20,7 +33,7 @@ async def produce(bootstrap: str, topic: str, messages: Iterable[tuple[str | Non
         ]
         await asyncio.gather(*futures)
     finally:
-        await producer.stop()
+        await bounded(producer.stop(), STOP_S, "a test producer's stop")
 
 
 async def collect(
@@ -39,7 +52,7 @@ async def collect(
         enable_auto_commit=False,
         fetch_max_wait_ms=20,
     )
-    await consumer.start()
+    await bounded(consumer.start(), START_S, "a test consumer's start")
     found: list[tuple[str, dict[str, Any]]] = []
     seen: set[Any] = set()  # at-least-once: the same event may be on a topic twice
     try:
@@ -60,7 +73,7 @@ async def collect(
                     if keep(r.topic, env):
                         found.append((r.topic, env))
     finally:
-        await consumer.stop()
+        await bounded(consumer.stop(), STOP_S, "a test consumer's stop")
     return found
 
 
@@ -83,7 +96,7 @@ class LogReader:
             enable_auto_commit=False,
             fetch_max_wait_ms=50,
         )
-        await consumer.start()
+        await bounded(consumer.start(), START_S, "a test consumer's start")
         await consumer.topics()  # fetches the cluster metadata partitions_for_topic reads
         partitions = [
             TopicPartition(t, p)
@@ -97,7 +110,7 @@ class LogReader:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._consumer is not None:
-            await self._consumer.stop()
+            await bounded(self._consumer.stop(), STOP_S, "a test consumer's stop")
 
     async def read_to_end(self, timeout_s: float = 300.0) -> list[tuple[str, dict[str, Any]]]:
         """Everything up to the end offsets as they are now; new envelopes are appended to
@@ -141,7 +154,7 @@ async def every_record(
     `skip_unreadable`, records that are not a JSON object (other tests' poison on a shared
     broker) are left out instead of failing."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
+    await bounded(consumer.start(), START_S, "a test consumer's start")
     try:
         parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
         consumer.assign(parts)
@@ -162,4 +175,4 @@ async def every_record(
             if all(hw is not None and pos >= hw for pos, hw in marks):
                 return out
     finally:
-        await consumer.stop()
+        await bounded(consumer.stop(), STOP_S, "a test consumer's stop")

@@ -23,7 +23,7 @@ from aiokafka import AIOKafkaProducer
 from cli.infra import free_port
 from schemas import topics
 from services.common.db import create_pool
-from tests.integration.kafka_tools import collect
+from tests.integration.kafka_tools import START_S, STOP_S, bounded, collect
 from tests.integration.test_meter_service import SCALE
 from tests.unit.meter.scenario import (
     Drive,
@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 async def producer(kafka_bootstrap: str) -> AsyncIterator[AIOKafkaProducer]:
     p = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, max_batch_size=1 << 20, linger_ms=1)
-    await p.start()
+    await bounded(p.start(), START_S, "the test producer's start")
     yield p
-    await p.stop()
+    await bounded(p.stop(), STOP_S, "the test producer's stop")
 
 
 def meter_env(service_env: dict[str, Any], budgets: Path, group: str) -> dict[str, str]:

@@ -31,7 +31,7 @@ from services.meter.app import create_app
 from services.meter.settings import MeterSettings
 from services.queue.budgets import check_budget, note_exceeded
 from tests.integration.conftest import running
-from tests.integration.kafka_tools import collect
+from tests.integration.kafka_tools import START_S, STOP_S, bounded, collect
 from tests.unit.meter.scenario import (
     Drive,
     RunSpec,
@@ -156,9 +156,9 @@ def settings_for(env: dict[str, Any], budgets: Path, **extra: Any) -> MeterSetti
 @pytest.fixture
 async def producer(kafka_bootstrap: str) -> AsyncIterator[AIOKafkaProducer]:
     p = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, max_batch_size=1 << 20, linger_ms=1)
-    await p.start()
+    await bounded(p.start(), START_S, "the test producer's start")
     yield p
-    await p.stop()
+    await bounded(p.stop(), STOP_S, "the test producer's stop")
 
 
 def as_record(env: dict[str, Any], offset: int) -> ConsumerRecord[Any, Any]:

@@ -23,7 +23,7 @@ from services.scheduler.app import create_app
 from services.scheduler.settings import SchedulerSettings
 from tests.conftest import private_kafka
 from tests.integration.conftest import running
-from tests.integration.kafka_tools import LogReader
+from tests.integration.kafka_tools import START_S, STOP_S, LogReader, bounded
 from tests.unit.services.builders import T0, spec
 from tests.unit.services.test_scheduler_state import capacity
 
@@ -39,14 +39,14 @@ async def own_kafka(tmp_path: Path) -> AsyncIterator[str]:
 
 async def produce(bootstrap: str, topic: str, env: Envelope, partition: int | None = None) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
-    await producer.start()
+    await bounded(producer.start(), START_S, "the test producer's start")
     try:
         key = None if partition is not None else b"k"
         await producer.send_and_wait(
             topic, env.model_dump_json().encode(), key=key, partition=partition
         )
     finally:
-        await producer.stop()
+        await bounded(producer.stop(), STOP_S, "the test producer's stop")
 
 
 async def read_until(bootstrap: str, wanted: Any, timeout_s: float = 60.0) -> list[Found]:
