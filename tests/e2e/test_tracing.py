@@ -21,6 +21,7 @@ from cli.main import app as qm
 from cli.stack import Stack
 from cli.traces import Span, read_spans, traces_of
 from schemas import topics
+from tests.integration.kafka_tools import START_S, STOP_S, bounded
 
 ADMIN = {"Authorization": "Bearer dev-admin"}
 HOPS = ("gateway.submit", "queue.admit", "scheduler.place", "executor.start")
@@ -117,7 +118,7 @@ async def test_a_job_written_to_kafka_starts_its_trace_at_the_queue(
     run = uuid.uuid4().hex[:6]
     plain, poisoned = f"plain-{run}", f"poisoned-{run}"
     producer = AIOKafkaProducer(bootstrap_servers=qm_stack.server("kafka").url)
-    await producer.start()
+    await bounded(producer.start(), START_S, "a test producer's start")
     try:
         await producer.send_and_wait(
             topics.JOB_SUBMITTED,
@@ -142,7 +143,7 @@ async def test_a_job_written_to_kafka_starts_its_trace_at_the_queue(
             headers=hostile,
         )
     finally:
-        await producer.stop()
+        await bounded(producer.stop(), STOP_S, "a test producer's stop")
 
     for job_id in (plain, poisoned):
         assert await wait_state(client, job_id, {"running", "succeeded"}) in {

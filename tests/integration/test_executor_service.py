@@ -30,7 +30,7 @@ from services.executor.settings import ExecutorSettings
 from services.executor.store import schema_for
 from tests.integration.conftest import running
 from tests.integration.faults import CommitInDoubt
-from tests.integration.kafka_tools import collect, every_record, produce
+from tests.integration.kafka_tools import START_S, STOP_S, bounded, collect, every_record, produce
 
 CLUSTER = "onprem-h100"
 NODE = "onprem-h100-h100-0031"
@@ -166,7 +166,7 @@ async def fence_every_partition(bootstrap: str, topic: str, epoch: int) -> None:
     """What a new scheduler leader writes before it decides (schemas.events.LeaderFence)."""
     env = Envelope(type="LeaderFence", payload={"epoch": epoch, "leader": "new"})
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
-    await producer.start()
+    await bounded(producer.start(), START_S, "a test producer's start")
     try:
         partitions = await producer.partitions_for(topic)
         sent = [
@@ -175,7 +175,7 @@ async def fence_every_partition(bootstrap: str, topic: str, epoch: int) -> None:
         ]
         await asyncio.gather(*sent)
     finally:
-        await producer.stop()
+        await bounded(producer.stop(), STOP_S, "a test producer's stop")
 
 
 async def test_a_leader_fence_refuses_the_deposed_leaders_later_placements(

@@ -26,7 +26,7 @@ from services.health.intake import TOPICS
 from services.health.settings import HealthSettings
 from tests.integration.conftest import ROOT, running
 from tests.integration.faults import CommitInDoubt
-from tests.integration.kafka_tools import collect, every_record, produce
+from tests.integration.kafka_tools import START_S, STOP_S, bounded, collect, every_record, produce
 
 OUT = (topics.NODE_UNHEALTHY, topics.NODE_RECOVERED, topics.ALERT_RAISED)
 BEAT_EVERY_S = 0.25
@@ -265,7 +265,7 @@ async def group_at_end(bootstrap: str, group: str) -> None:
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
     )
-    await consumer.start()
+    await bounded(consumer.start(), START_S, "a test consumer's start")
     try:
         await consumer.topics()  # the topics' metadata, for their partitions
         parts = [
@@ -274,7 +274,7 @@ async def group_at_end(bootstrap: str, group: str) -> None:
         consumer.assign(parts)
         await consumer.commit(await consumer.end_offsets(parts))
     finally:
-        await consumer.stop()
+        await bounded(consumer.stop(), STOP_S, "a test consumer's stop")
 
 
 async def until(probe: Callable[[], Any], expected: Any, timeout_s: float = 15.0) -> Any:

@@ -14,6 +14,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from services.common.kafka import MAX_PRODUCER_BATCH, Wire, send_each
 from services.meter.publisher import MAX_REQUEST, BatchPublisher, relay_producer
+from tests.integration.kafka_tools import START_S, STOP_S, bounded
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,7 @@ async def read_all(bootstrap: str, topic: str, count: int) -> list[tuple[int, by
     consumer = AIOKafkaConsumer(
         topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", fetch_max_wait_ms=20
     )
-    await consumer.start()
+    await bounded(consumer.start(), START_S, "a test consumer's start")
     got: list[tuple[int, bytes, bytes]] = []
     try:
         for _ in range(300):
@@ -33,7 +34,7 @@ async def read_all(bootstrap: str, topic: str, count: int) -> list[tuple[int, by
             if len(got) >= count:
                 break
     finally:
-        await consumer.stop()
+        await bounded(consumer.stop(), STOP_S, "a test consumer's stop")
     return got
 
 
@@ -48,7 +49,7 @@ async def test_a_batch_goes_to_the_default_partitions_in_order_with_outcomes(
     finally:
         await admin.close()
     producer = relay_producer(topics_ready, "publisher-test")
-    await producer.start()
+    await bounded(producer.start(), START_S, "a test producer's start")
     publisher = BatchPublisher(producer)
     try:
         tenants = ["vision", "nlp", "speech", "t\u00fcrk", "robotics"]
@@ -69,7 +70,7 @@ async def test_a_batch_goes_to_the_default_partitions_in_order_with_outcomes(
         await done
         got = await read_all(topics_ready, topic, 502)
     finally:
-        await producer.stop()
+        await bounded(producer.stop(), STOP_S, "a test producer's stop")
     assert len(got) == 502
     expected = DefaultPartitioner()
     everything = list(range(PARTITIONS))

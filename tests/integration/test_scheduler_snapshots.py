@@ -29,6 +29,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.state import SchedulerState
 from tests.conftest import private_kafka
 from tests.integration.conftest import running
+from tests.integration.kafka_tools import START_S, STOP_S, bounded
 from tests.integration.test_scheduler_fencing import produce, read_until
 from tests.unit.services.builders import T0, spec
 from tests.unit.services.test_scheduler_state import capacity
@@ -203,14 +204,14 @@ async def test_marks_of_another_log_are_told_apart_by_their_records(tmp_path: Pa
         for url, tail in ((one, b"x"), (two, b"yy")):
             await ensure_topics(url)
             producer = AIOKafkaProducer(bootstrap_servers=url)
-            await producer.start()
+            await bounded(producer.start(), START_S, "a test producer's start")
             try:
                 for value in records:
                     meta = await producer.send_and_wait(
                         topics.JOB_QUEUED, value + tail, partition=0
                     )
             finally:
-                await producer.stop()
+                await bounded(producer.stop(), STOP_S, "a test producer's stop")
             if url == one:
                 marks = {
                     (topics.JOB_QUEUED, 0): (meta.offset + 1, meta.timestamp, len(value + tail))
