@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import gc
 import os
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ class Runtime:
     tracing: Tracing | None = field(init=False, default=None)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: bool = False
+    # Shutdown steps cut off while still running (they may ignore their cancellation).
+    _abandoned: list[asyncio.Future[object]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tracing = Tracing.configure(self.name, self.settings)
@@ -99,6 +103,7 @@ class Runtime:
             if self.tracing is not None:
                 await asyncio.to_thread(self.tracing.shutdown)  # writes what is queued
             log.info("service stopped")
+            self._exit_if_stuck()
 
     async def _bounded(self, step: Callable[[], Awaitable[object]], name: str) -> None:
         """One shutdown step, cut off after `shutdown_step_s`: a step that hangs must not keep
@@ -119,11 +124,26 @@ class Runtime:
         if not running.done():
             running.cancel()  # not waited on: it may ignore its cancellation as well
             running.add_done_callback(_retrieve)
+            self._abandoned.append(running)
             log.error("shutdown step did not finish; cut off", step=name, limit_s=limit)
         elif running.cancelled():
             log.warning("shutdown step was cancelled", step=name)
         elif (exc := running.exception()) is not None:
             log.warning("shutdown step failed", step=name, exc_info=exc)
+
+    def _exit_if_stuck(self) -> None:
+        """The last resort of a service's own process: a cut-off step that ignored its
+        cancellation would keep the event loop's close (asyncio.Runner cancels and waits for
+        every task left) from ever returning, so the process ends itself one more step's time
+        later, exit code 1, unless it has ended by then."""
+        stuck = [step for step in self._abandoned if not step.done()]
+        if not stuck or not _own_process:
+            return
+        limit = self.settings.shutdown_step_s
+        log.error("a cut-off shutdown step is still running; exiting", steps=len(stuck), in_s=limit)
+        timer = threading.Timer(limit, _exit_now)
+        timer.daemon = True
+        timer.start()
 
     async def _start(self) -> None:
         for hook in self.startup:
@@ -239,6 +259,13 @@ def _name_of(hook: Hook) -> str:
     # Most services' hooks are all called `close`: the module says whose it is.
     module = getattr(hook, "__module__", None) or "?"
     return f"{module}.{getattr(hook, '__qualname__', None) or repr(hook)}"
+
+
+def _exit_now() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
 
 
 def _retrieve(task: asyncio.Future[object]) -> None:

@@ -5,6 +5,9 @@ hooks after it still run."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import structlog
@@ -12,6 +15,8 @@ from fastapi import FastAPI
 
 from services.common.runtime import Runtime
 from services.common.settings import ServiceSettings
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 async def test_a_hanging_close_hook_is_cut_off_and_the_others_still_run() -> None:
@@ -98,3 +103,47 @@ async def test_a_shutdown_that_is_itself_cancelled_cancels_its_step() -> None:
         await task
     await asyncio.sleep(0)  # the step's cancellation is delivered
     assert outcome == ["cancelled"]
+
+
+# A service's own process whose close hook ignores its cancellation: asyncio.run's close would
+# wait for that task for ever; the process ends itself instead (exit code 1).
+STUBBORN = """
+import asyncio
+from fastapi import FastAPI
+import services.common.runtime as runtime
+from services.common.settings import ServiceSettings
+
+runtime._own_process = True
+service = runtime.Runtime("t", ServiceSettings(shutdown_step_s=0.3))
+
+async def stubborn() -> None:
+    while True:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            continue
+
+service.on_shutdown(stubborn)
+
+async def main() -> None:
+    async with service.lifespan(FastAPI()):
+        pass
+    print("lifespan over", flush=True)
+
+asyncio.run(main())
+print("never here: asyncio.run waits for the stubborn step", flush=True)
+"""
+
+
+def test_a_service_process_whose_step_ignores_cancellation_still_exits() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", STUBBORN],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,  # only a bound on a broken test; the process ends ~0.6 s in
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "lifespan over" in output and "never here" not in output
+    assert "a cut-off shutdown step is still running; exiting" in output
