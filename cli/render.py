@@ -23,10 +23,24 @@ def _safe(value: Any) -> Text:
     return Text(clean(_cell(value)))
 
 
+def _safe_cell(cell: RenderableType | None) -> RenderableType | None:
+    if isinstance(cell, str):
+        return Text(clean(cell))
+    if isinstance(cell, Text) and not cell.plain.isprintable():
+        # Built from a gateway value (a state, a phase) holding control characters: its
+        # text cleaned, in its overall style (the hostile case only loses inner spans).
+        return Text(clean(cell.plain), style=cell.style)
+    return cell
+
+
 class SafeTable(Table):
-    """A rich table whose string cells are shown as the text they are: cleaned of control
+    """A rich table whose cells and title are shown as the text they are: cleaned of control
     characters and never read as markup. For every table of what the gateway answered (node
     names, service names, reasons): a name holding `[/]` would otherwise crash the command."""
+
+    def __init__(self, *headers: Any, title: str | Text | None = None, **options: Any) -> None:
+        safe = _safe_cell(title)
+        super().__init__(*headers, title=safe if isinstance(safe, Text) else None, **options)
 
     def add_row(
         self,
@@ -34,7 +48,7 @@ class SafeTable(Table):
         style: StyleType | None = None,
         end_section: bool = False,
     ) -> None:
-        cells = [Text(clean(r)) if isinstance(r, str) else r for r in renderables]
+        cells = [_safe_cell(r) for r in renderables]
         super().add_row(*cells, style=style, end_section=end_section)
 
 
