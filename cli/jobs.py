@@ -122,7 +122,8 @@ def submit(file: Path, wait: bool, timeout: float, url: str | None, token: str |
             line = render.id_and_state(job_id, job.get("state"))
             if job.get("state") == "rejected":
                 rejected = True
-                line.append(f"  {job.get('reason_code') or ''}  {job.get('message') or ''}")
+                why = f"  {job.get('reason_code') or ''}  {job.get('message') or ''}"
+                line.append(out.clean(why))
             console.print(line)
     if rejected:
         raise click.exceptions.Exit(1)

@@ -1,9 +1,9 @@
 """How `qm` shows things with rich: a job, its history, the dev stack, one line per event.
 (`qm list` prints plain columns: cli.out.)
 
-What the gateway answered goes in as `Text` made from `clean` text (`_safe`): a plain string
-in a rich table is read as markup (a job named `[/]` would crash the command, `[red]` recolour
-it), and rich passes escape sequences through to the terminal."""
+What the gateway answered goes in as `Text` made from `clean` text (tables: `SafeTable`): a
+plain string in a rich table is read as markup (a job named `[/]` would crash the command,
+`[red]` recolour it), and rich passes escape sequences through to the terminal."""
 
 from __future__ import annotations
 
@@ -17,10 +17,6 @@ from rich.text import Text
 
 from cli.out import STATE_STYLES, clean, when
 from cli.out import cell as _cell
-
-
-def _safe(value: Any) -> Text:
-    return Text(clean(_cell(value)))
 
 
 def _safe_cell(cell: RenderableType | None) -> RenderableType | None:
@@ -62,7 +58,7 @@ def id_and_state(job_id: str, state: str | None) -> Text:
 
 
 def _summary(job: Mapping[str, Any]) -> Table:
-    grid = Table.grid(padding=(0, 2))
+    grid = SafeTable.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
     spec = job.get("spec") or {}
@@ -91,21 +87,21 @@ def _summary(job: Mapping[str, Any]) -> Table:
     ]
     for label, value in rows:
         if value is not None and value != []:
-            grid.add_row(label, value if isinstance(value, Text) else _safe(value))
+            grid.add_row(label, value if isinstance(value, Text) else _cell(value))
     return grid
 
 
 def history_table(history: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="history", title_justify="left", header_style="bold")
+    table = SafeTable(title="history", title_justify="left", header_style="bold")
     for column in ("at", "state", "event", "reason", "message"):
         table.add_column(column)
     for item in history:
         table.add_row(
-            _safe(when(item.get("at"))),
+            when(item.get("at")),
             state_text(item.get("state")),
-            _safe(item.get("event_type") or item.get("type")),
-            _safe(item.get("reason_code")),
-            _safe(item.get("message")),
+            _cell(item.get("event_type") or item.get("type")),
+            _cell(item.get("reason_code")),
+            _cell(item.get("message")),
         )
     return table
 
