@@ -21,3 +21,5 @@ class AutoscalerSettings(ServiceSettings):
     cloud_budget_per_month: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     # Inventories and demand are not on any job's critical path.
     fetch_max_wait_ms: int = 100
+    # While records flow, each batch gathers what came in for this long (common/consumer.py).
+    batch_linger_ms: int = 100

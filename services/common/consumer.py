@@ -97,6 +97,50 @@ class OffsetCommitter:
             await asyncio.sleep(self._min_interval_s)
 
 
+class Linger:
+    """Spaces a consumer's batches while its records flow: after a batch that read its
+    partitions to their end (as the fetch saw them) without filling `max_records`, the next
+    one starts no sooner than `linger_ms` after this one started.
+
+    Under a steady flow a consumer that starts its next batch as soon as the last is done
+    handles a record or two at a time, and each batch costs a fetch from the broker, a
+    transaction in the service's store and a pass of its handler, whatever it holds. A
+    consumer off the way from submission to placement (a read model, the meter, an executor,
+    the preemptor) can wait a little and take what came meanwhile in one batch: the records
+    wait up to `linger_ms` longer, the broker, the store and the service do the fixed part of
+    a batch fewer times (docs/performance.md, "Lingering consumers"). A backlog (a full
+    batch, or records left behind the batch's last) is read on at once: catching up after a
+    restart or a burst is never slowed. The first record after a pause is not held (the last
+    batch started long before), and 0 turns it off. ("Behind" is judged on the partitions in
+    the batch: a batch that ends one partition's fetched records before another partition's
+    have come in may linger once.)
+
+    Only a real Kafka consumer lingers: the in-memory test broker hands each record to the
+    handler as it is published and has nothing to gather."""
+
+    def __init__(
+        self,
+        linger_ms: int,
+        max_records: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        self.linger_s = max(0, linger_ms) / 1000
+        self.max_records = max_records
+        self._clock = clock
+        self._sleep = sleep
+
+    async def after(self, records: Sequence[Any], started: float, *, behind: int = 0) -> None:
+        """Called once a batch begun at `started` (on `clock`) is done, with the records its
+        partitions still had behind it when they were fetched."""
+        if not self.linger_s or not records or behind or len(records) >= self.max_records:
+            return
+        rest = self.linger_s - (self._clock() - started)
+        if rest > 0:
+            await self._sleep(rest)
+
+
 class ConsumerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.dead_letters = Counter(
@@ -167,23 +211,26 @@ class LagBook:
         self._group = group_id
         self._lag: dict[TopicPartition, int] = {}
 
-    def note(self, consumer: Any, records: Records) -> None:
+    def note(self, consumer: Any, records: Records) -> int:
         """After a batch: what is left behind the high watermark in each of its partitions.
-        Partitions no longer assigned (taken by a rebalance) are forgotten."""
+        Partitions no longer assigned (taken by a rebalance) are forgotten. Returns the
+        records left behind in the batch's partitions (0 when not known)."""
         if not isinstance(consumer, AIOKafkaConsumer) or not records:
-            return  # FastStream's in-memory test broker has no watermarks
-        self.note_last(consumer, last_offsets(records))
+            return 0  # FastStream's in-memory test broker has no watermarks
+        return self.note_last(consumer, last_offsets(records))
 
-    def note_last(self, consumer: Any, last: dict[TopicPartition, int]) -> None:
+    def note_last(self, consumer: Any, last: dict[TopicPartition, int]) -> int:
         """`note`, given the last offset the batch read from each of its partitions."""
         if not isinstance(consumer, AIOKafkaConsumer) or not last:
-            return
-        self._lag.update(lag_behind(last, consumer.highwater))
+            return 0
+        behind = lag_behind(last, consumer.highwater)
+        self._lag.update(behind)
         assigned = consumer.assignment()
         for tp in [tp for tp in self._lag if tp not in assigned]:
             del self._lag[tp]
         for topic, lag in lag_by_topic(self._lag).items():
             self._gauge.labels(self._group, topic).set(lag)
+        return sum(behind.values())
 
 
 def partition_runs(
@@ -299,11 +346,17 @@ class Consumers:
         fetch_max_wait_ms: int | None = None,
         max_records: int | None = None,
         give_up: GiveUp | None = None,
+        linger_ms: int | None = None,
     ) -> None:
-        """Consume `topic_names` in group `group_id`, tuned for Tansu (shared/INFRA.md)."""
+        """Consume `topic_names` in group `group_id`, tuned for Tansu (shared/INFRA.md).
+
+        `linger_ms` (default: the service's `batch_linger_ms`) spaces the batches of a
+        consumer whose records flow: see `Linger`."""
         settings = self.settings
         busy = fetch_max_wait_ms or settings.fetch_max_wait_ms
         pacer = self.pacer(busy)
+        limit = max_records or settings.max_batch_records
+        linger = Linger(settings.batch_linger_ms if linger_ms is None else linger_ms, limit)
         subscriber = self.broker.subscriber(
             *topic_names,
             batch=True,
@@ -315,7 +368,7 @@ class Consumers:
             # it busy. FastStream's own loop keeps the busy period (common/pacing.py).
             fetch_max_wait_ms=pacer.wait_ms,
             batch_timeout_ms=busy,
-            max_records=max_records or settings.max_batch_records,
+            max_records=limit,
             ack_policy=AckPolicy.MANUAL,
             parser=_tolerate_headers,
             decoder=_leave_undecoded,
@@ -324,12 +377,15 @@ class Consumers:
         lag = LagBook(self.metrics.lag, group_id)
 
         async def on_batch(message: KafkaMessage) -> None:
+            started = time.monotonic()
             records = records_of(message)
             if records:
                 pacer.saw_records(message.consumer)
             await group.run(records)
             self.committer.add(message.consumer, records)
-            lag.note(message.consumer, records)
+            behind = lag.note(message.consumer, records)
+            if isinstance(message.consumer, AIOKafkaConsumer):
+                await linger.after(records, started, behind=behind)
 
         on_batch.__name__ = f"on_{group_id.replace('-', '_')}"
         subscriber(on_batch)

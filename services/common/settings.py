@@ -32,6 +32,10 @@ class ServiceSettings(BaseSettings):
     fetch_idle_max_ms: int = Field(default=500, ge=1)
     fetch_idle_after_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     max_batch_records: int = 500
+    # While records flow, a consumer starts its batches at most this often (0: the next as
+    # soon as the last is done); a service off the way from submission to placement sets it
+    # so that its batches gather what came meanwhile (common/consumer.py, `Linger`).
+    batch_linger_ms: int = Field(default=0, ge=0, le=10_000)
     # After start-up, move every object made so far (modules, classes, pydantic's validators,
     # what start-up read) out of the cyclic garbage collector's reach (gc.freeze): a full
     # collection then scans only what the service made since. docs/performance.md measures it.
@@ -41,6 +45,10 @@ class ServiceSettings(BaseSettings):
     # consumer's leave, a pool whose connection is never given back) is cut off with an error
     # naming it, and the steps after it still run (docs/deploy.md, "Stopping").
     shutdown_step_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    # All of those steps together, after the open connections' time, get at most this long:
+    # with the 10 s for connections, a service is stopped within 25 s of its SIGTERM, inside
+    # Kubernetes' default 30 s grace. A step started past it gets 0.1 s.
+    shutdown_deadline_s: float = Field(default=15.0, gt=0, allow_inf_nan=False)
     # A consumer whose batch has failed (retryably) for this long raises one alert.raised
     # (cause consumer_stalled); it goes on retrying with backoff either way.
     stall_alert_after_s: float = 60.0

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from pydantic import Field
+
 from services.common.settings import REPO_ROOT, ServiceSettings
 
 
@@ -10,6 +12,11 @@ class GatewaySettings(ServiceSettings):
     http_port: int = 8080
     # The read model is not on any job's critical path: poll the broker less often.
     fetch_max_wait_ms: int = 100
+    # While records flow, each batch gathers what came in for this long (common/consumer.py).
+    batch_linger_ms: int = 100
+    # Lifecycle events read before their job (kept until it is heard of, a day at most) are
+    # at most this many rows; the oldest beyond it are dropped with a warning.
+    early_events_max: int = Field(default=100_000, ge=1)
     # How long `?follow=true` keeps a quiet event stream open before closing it.
     watch_idle_timeout_s: float = 3600.0
     # The dashboard's session cookies are signed with this key. Every gateway replica must

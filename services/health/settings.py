@@ -22,3 +22,5 @@ class HealthSettings(ServiceSettings):
     metrics_targets: str = ""
     # Heartbeats are not on any job's critical path: poll the broker less eagerly.
     fetch_max_wait_ms: int = 100
+    # While records flow, each batch gathers what came in for this long (common/consumer.py).
+    batch_linger_ms: int = 100

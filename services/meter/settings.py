@@ -24,4 +24,6 @@ class MeterSettings(ServiceSettings):
     meter_max_idle_backfill: int = 10_000
     # Lifecycle events are not on any job's critical path.
     fetch_max_wait_ms: int = 100
+    # While records flow, each batch gathers what came in for this long (common/consumer.py).
+    batch_linger_ms: int = 100
     max_batch_records: int = 2000

@@ -24,3 +24,5 @@ class PreemptorSettings(ServiceSettings):
     audit_retention_s: float = 30 * 86400
     # Placements and lifecycle events are the bulk of what is read; requests are rare.
     fetch_max_wait_ms: int = 100
+    # While records flow, each batch gathers what came in for this long (common/consumer.py).
+    batch_linger_ms: int = 100

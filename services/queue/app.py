@@ -35,6 +35,7 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
         group_id=settings.group_id,
         handle=handle,
         give_up=answer_given_up,
+        linger_ms=0,  # new work goes on at once
     )
     # Lifecycle events are not on any job's way to a placement: fetch them less eagerly.
     consumers.subscribe(
@@ -42,6 +43,7 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
         group_id=f"{settings.group_id}-lifecycle",
         handle=handle,
         fetch_max_wait_ms=settings.lifecycle_fetch_max_wait_ms,
+        linger_ms=settings.lifecycle_linger_ms,
     )
 
     @runtime.on_startup

@@ -13,6 +13,7 @@ that high watermark."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
 
 from schemas.topics import JOB_QUEUED
-from services.common.consumer import ConsumerMetrics, LagBook
+from services.common.consumer import ConsumerMetrics, LagBook, lag_behind
 from services.common.pacing import FetchPacer
 
 log = structlog.get_logger()
@@ -39,6 +40,7 @@ Mark = tuple[int, int, int]
 # idle broker's CPU (Tansu answers an empty fetch only at its deadline, so the wait is the
 # polling period).
 HOT_TOPICS = (JOB_QUEUED,)
+FETCH_MAX_RECORDS = 5000  # records per batch the feed takes at most
 
 
 class Feed:
@@ -78,6 +80,9 @@ class Feed:
             FetchPacer(w, factor=idle_factor, max_ms=idle_max_ms, quiet_s=quiet_s)
             for w in self._waits
         ]
+        # Seconds each consumer's batches are spaced while records flow (set_linger).
+        self._lingers = [0.0] * len(self._groups)
+        self._cut = asyncio.Event()  # set to end the lingering now (set_linger shortened it)
         self._owner: dict[TopicPartition, Any] = {}
         self._targets: dict[TopicPartition, int] = {}
         self._marks: dict[tuple[str, int], Mark] = {}
@@ -138,6 +143,20 @@ class Feed:
             wait = cold_ms if i == self._cold and cold_ms is not None else ms
             pacer.set_busy_ms(wait, wake=wait < pacer.busy_ms)
 
+    def set_linger(self, ms: int, cold_ms: int | None = None) -> None:
+        """How long each consumer gathers records into one batch while they flow and it is
+        caught up (common/consumer.py, Linger): none for the leader's new work, a little for
+        its other topics, more while standing by. `cold_ms` for the second consumer (default:
+        `ms`). A shorter linger (taking the lead) ends the current one at once."""
+        shorter = False
+        for i in range(len(self._lingers)):
+            wait = max(0, cold_ms if i == self._cold and cold_ms is not None else ms) / 1000
+            shorter = shorter or wait < self._lingers[i]
+            self._lingers[i] = wait
+        if shorter:
+            self._cut.set()
+            self._cut = asyncio.Event()
+
     def partitions_of(self, topics: tuple[str, ...]) -> list[tuple[str, int]]:
         """(topic, partition) of every partition of `topics` we read."""
         return sorted((tp.topic, tp.partition) for tp in self._owner if tp.topic in topics)
@@ -181,20 +200,16 @@ class Feed:
     async def run(self) -> None:
         """Read and apply, each consumer in its own loop (one event loop: batches are applied
         one at a time, whole)."""
-        await asyncio.gather(
-            *(
-                self._run(c, self._name_of(i), self._pacers[i])
-                for i, c in enumerate(self._consumers)
-            )
-        )
+        await asyncio.gather(*(self._run(c, i) for i, c in enumerate(self._consumers)))
 
     def _name_of(self, index: int) -> str:
         return f"{self._name}-{'cold' if index == self._cold else 'hot'}"
 
-    async def _run(self, consumer: Any, name: str, pacer: FetchPacer) -> None:
+    async def _run(self, consumer: Any, index: int) -> None:
+        name, pacer = self._name_of(index), self._pacers[index]
         lag = LagBook(self._metrics.lag, name) if self._metrics is not None else None
         while True:
-            batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+            batches = await consumer.getmany(timeout_ms=200, max_records=FETCH_MAX_RECORDS)
             started = time.monotonic()
             if any(batches.values()):
                 pacer.saw_records()
@@ -211,6 +226,29 @@ class Feed:
             if lag is not None and batches:
                 self._observe(consumer, name, lag, batches, time.monotonic() - started)
             await self._check_caught_up()
+            await self._linger(consumer, index, batches, started)
+
+    async def _linger(
+        self,
+        consumer: Any,
+        index: int,
+        batches: dict[TopicPartition, list[ConsumerRecord[Any, Any]]],
+        started: float,
+    ) -> None:
+        """Space this consumer's batches while records flow (set_linger), never while the
+        feed catches up or a batch left records behind it."""
+        linger = self._lingers[index]
+        if not linger or not self.caught_up.is_set():
+            return
+        last = {tp: rs[-1].offset for tp, rs in batches.items() if rs}
+        if not last or sum(map(len, batches.values())) >= FETCH_MAX_RECORDS:
+            return
+        if any(lag_behind(last, consumer.highwater).values()):
+            return
+        rest = linger - (time.monotonic() - started)
+        if rest > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cut.wait(), rest)
 
     def _observe(
         self,

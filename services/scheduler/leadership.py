@@ -55,6 +55,7 @@ class Log(Protocol):
     def partitions_of(self, topics: tuple[str, ...]) -> list[tuple[str, int]]: ...
     async def catch_up(self, poll_s: float = 0.01) -> None: ...
     def set_fetch_wait(self, ms: int, cold_ms: int | None = None) -> None: ...
+    def set_linger(self, ms: int, cold_ms: int | None = None) -> None: ...
 
 
 class Decider(Protocol):
@@ -140,6 +141,7 @@ class Leadership:
             self.metrics.leader.set(0)
             self.metrics.forget_figures()
             self.feed.set_fetch_wait(self.settings.standby_fetch_max_wait_ms)
+            self.feed.set_linger(self.settings.standby_linger_ms)
             acquired = await lease.try_acquire(floor=state.newest_epoch())
             self._redis_answers()
             if not acquired:
@@ -148,6 +150,7 @@ class Leadership:
             self.feed.set_fetch_wait(
                 self.settings.fetch_max_wait_ms, self.settings.cold_fetch_max_wait_ms
             )
+            self.feed.set_linger(0, self.settings.cold_linger_ms)
             if not await self._take_over():
                 return
         elif self._renewal_due() and not await self.still_leading():

@@ -18,6 +18,11 @@ class SchedulerSettings(ServiceSettings):
     # The leader polls new work (job.queued) at fetch_max_wait_ms and the rest of its topics
     # (capacity, run ends, refusals, preemptions, health, budgets) at this rate.
     cold_fetch_max_wait_ms: int = 100
+    # While records flow, the leader's second consumer gathers them for this long into one
+    # batch, and a standby's consumers for standby_linger_ms (common/consumer.py, Linger; new
+    # work is never held). Taking the lead ends a standby's linger at once.
+    cold_linger_ms: int = 100
+    standby_linger_ms: int = 250
     lease_name: str = "qm:scheduler:leader"
     lease_ttl_ms: int = 3000
     # Every this many cycles the kept working set is compared with one rebuilt from the state

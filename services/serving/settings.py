@@ -12,3 +12,5 @@ class ServingSettings(ServiceSettings):
     silent_after_s: float = 20.0
     # Replica lifecycle and reports are not on a batch job's critical path.
     fetch_max_wait_ms: int = 100
+    # While records flow, each batch gathers what came in for this long (common/consumer.py).
+    batch_linger_ms: int = 100

@@ -77,6 +77,7 @@ class FakeFeed:
         self.records = 0
         self.journal = journal
         self.waits: list[int] = []  # fetch waits asked for, in order
+        self.lingers: list[tuple[int, int | None]] = []  # lingers asked for, in order
 
     def partitions_of(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
         return [(topics.PLACEMENT_DECIDED, 0)]
@@ -86,6 +87,9 @@ class FakeFeed:
 
     def set_fetch_wait(self, ms: int, cold_ms: int | None = None) -> None:
         self.waits.append(ms)
+
+    def set_linger(self, ms: int, cold_ms: int | None = None) -> None:
+        self.lingers.append((ms, cold_ms))
 
 
 class FencingBroker:
@@ -339,3 +343,6 @@ async def test_a_standby_polls_slowly_and_a_leader_fast() -> None:
         await rig.until(lambda: rig.cycles() >= 1)
     assert waits[1:3] == [settings.standby_fetch_max_wait_ms, settings.fetch_max_wait_ms]
     assert waits[-1] == settings.fetch_max_wait_ms
+    # Batches are gathered while standing by; a leader's new work never is.
+    assert feed.lingers[0] == (settings.standby_linger_ms, None)
+    assert feed.lingers[-1] == (0, settings.cold_linger_ms)

@@ -1,0 +1,134 @@
+"""Lingering consumers (common/consumer.py, Linger; the scheduler feed's set_linger): while
+records flow, the next batch starts no sooner than the linger after the last one started; a
+backlog is never held, and the first record after a pause is not held either. The clock and
+the sleep are injected, so nothing here depends on how fast the machine is. And the batch
+handler's way in: no worker thread on it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+
+from services.common.consumer import Linger
+from services.scheduler.feed import FETCH_MAX_RECORDS, Feed
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def linger(ms: int, max_records: int = 10) -> tuple[Linger, Clock]:
+    clock = Clock()
+    return Linger(ms, max_records, clock=clock, sleep=clock.sleep), clock
+
+
+async def test_a_small_batch_is_followed_by_the_rest_of_the_linger() -> None:
+    lg, clock = linger(100)
+    started = clock.now
+    clock.now += 0.03  # the batch took 30 ms
+    await lg.after([1, 2, 3], started)
+    assert clock.slept == [pytest.approx(0.07)]
+    assert clock.now == pytest.approx(started + 0.1)
+
+
+async def test_a_batch_that_took_longer_than_the_linger_is_not_followed_by_a_wait() -> None:
+    lg, clock = linger(100)
+    started = clock.now
+    clock.now += 0.25
+    await lg.after([1], started)
+    assert clock.slept == []
+
+
+async def test_a_backlog_is_read_on_at_once() -> None:
+    lg, clock = linger(100, max_records=3)
+    await lg.after([1, 2, 3], clock.now)  # a full batch: more is waiting
+    await lg.after([1], clock.now, behind=7)  # records left behind in its partitions
+    assert clock.slept == []
+
+
+async def test_no_linger_no_records_no_wait() -> None:
+    off, clock = linger(0)
+    await off.after([1], clock.now)
+    lg, clock2 = linger(100)
+    await lg.after([], clock2.now)  # an empty poll (the in-memory broker's shape)
+    assert clock.slept == [] and clock2.slept == []
+
+
+async def test_a_negative_linger_is_none() -> None:
+    lg, clock = linger(-5)
+    await lg.after([1], clock.now)
+    assert clock.slept == []
+
+
+class FakeConsumer:
+    def __init__(self, highwater: dict[TopicPartition, int]) -> None:
+        self._highwater = highwater
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self._highwater.get(tp)
+
+
+class Record:
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+
+def feed_with(index_lingers: tuple[int, int]) -> Feed:
+    feed = Feed("unused:9092", ("job.queued", "job.finished"), 10, lambda _rs: None)
+    feed.set_linger(*index_lingers)
+    feed.caught_up.set()
+    return feed
+
+
+TP = TopicPartition("job.finished", 0)
+
+
+async def test_the_feed_lingers_only_its_caught_up_consumers_without_a_backlog() -> None:
+    feed = feed_with((0, 60_000))  # hot: none; cold: a minute (a wait would hang the test)
+    at_end = FakeConsumer({TP: 5})
+    batch: dict[TopicPartition, list[Any]] = {TP: [Record(3), Record(4)]}
+    loop = asyncio.get_running_loop()
+    # The hot consumer (index 0) never lingers.
+    await asyncio.wait_for(feed._linger(at_end, 0, batch, loop.time()), 5)
+    # Records left behind: read on.
+    behind = FakeConsumer({TP: 9})
+    await asyncio.wait_for(feed._linger(behind, 1, batch, loop.time()), 5)
+    # A full batch: read on.
+    full = {TP: [Record(i) for i in range(FETCH_MAX_RECORDS)]}
+    await asyncio.wait_for(
+        feed._linger(FakeConsumer({TP: FETCH_MAX_RECORDS}), 1, full, loop.time()), 5
+    )
+    # Still catching up (a start or a take-over): read on.
+    feed.caught_up.clear()
+    await asyncio.wait_for(feed._linger(at_end, 1, batch, loop.time()), 5)
+    feed.caught_up.set()
+    # Caught up, read to the end, a small batch: it lingers until the linger is shortened.
+    waiting = asyncio.ensure_future(feed._linger(at_end, 1, batch, loop.time()))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    feed.set_linger(0, 100)  # taking the lead: shorter, so the current wait ends now
+    await asyncio.wait_for(waiting, 5)
+
+
+async def test_a_longer_linger_does_not_cut_the_current_one() -> None:
+    feed = feed_with((250, 250))
+    old_cut = feed._cut
+    feed.set_linger(250, 500)  # standing by again: the same or longer
+    assert feed._cut is old_cut and not old_cut.is_set()
+    feed.set_linger(0, 100)
+    assert old_cut.is_set() and feed._cut is not old_cut
+    assert feed._lingers == [0.0, 0.1]
+
