@@ -376,7 +376,13 @@ class Consumers:
         group = Group(self, group_id, handle, give_up)
         lag = LagBook(self.metrics.lag, group_id)
 
-        async def on_batch(message: KafkaMessage) -> None:
+        context = self.broker.context
+
+        async def on_batch(_body: Any = None) -> None:
+            # The batch comes from FastStream's context, not from a `KafkaMessage` parameter:
+            # FastDepends resolves such a parameter with a plain function, which it runs in a
+            # worker thread, so every batch cost a round trip to a thread and back.
+            message: KafkaMessage = context.get_local("message")
             started = time.monotonic()
             records = records_of(message)
             if records:

@@ -9,10 +9,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import pytest
 from aiokafka import TopicPartition
+from faststream.kafka import TestKafkaBroker
 
-from services.common.consumer import Linger
+from services.common.consumer import Consumers, Linger, Records
+from services.common.kafka import make_broker
+from services.common.settings import ServiceSettings
 from services.scheduler.feed import FETCH_MAX_RECORDS, Feed
 
 
@@ -132,3 +136,31 @@ async def test_a_longer_linger_does_not_cut_the_current_one() -> None:
     assert old_cut.is_set() and feed._cut is not old_cut
     assert feed._lingers == [0.0, 0.1]
 
+
+async def test_a_batch_reaches_its_step_without_a_trip_to_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FastDepends runs a plain-function dependency (the `KafkaMessage` parameter's) in a
+    worker thread; the pipeline's batch handler asks for none, so a batch never leaves the
+    event loop on its way to the step."""
+    hops: list[Any] = []
+    real = anyio.to_thread.run_sync
+
+    async def spy(func: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(func)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", spy)
+    broker = make_broker(ServiceSettings(), "hop-test")
+    consumers = Consumers(broker, ServiceSettings(), service="hop-test")
+    seen: list[bytes] = []
+
+    async def step(records: Records) -> None:
+        seen.extend(r.value for r in records)
+
+    consumers.subscribe("hop-topic", group_id="hop-g", handle=step)
+    async with TestKafkaBroker(broker) as test_broker:
+        await test_broker.publish(b"one", "hop-topic")
+        await test_broker.publish(b"two", "hop-topic")
+    assert seen == [b"one", b"two"]
+    assert hops == []
