@@ -157,6 +157,9 @@ def _on_a_free_port(start: Callable[[int], Server], attempts: int = 3) -> Server
     raise AssertionError("unreachable")
 
 
+BROKER_THREADS = "1"
+
+
 def start_kafka(workdir: Path, port: int | None = None) -> Server:
     """Start a private in-memory Tansu broker on ``port`` (a free one by default)."""
     if port is None:
@@ -173,7 +176,11 @@ def start_kafka(workdir: Path, port: int | None = None) -> Server:
         "--storage-engine",
         "memory://tansu/",
     ]
-    process = spawn(argv, log=log)
+    # One runtime thread: the broker's work is small and many-threaded it spent about a tenth
+    # more CPU on waking threads on a small machine (docs/performance.md, "The broker's
+    # threads"). A TOKIO_WORKER_THREADS of the caller's own wins.
+    env = {"TOKIO_WORKER_THREADS": BROKER_THREADS, **os.environ}
+    process = spawn(argv, log=log, env=env)
     server = Server("kafka", f"127.0.0.1:{port}", "started", process, process.pid, listener, log)
     _wait_or_stop(server, lambda: kafka_answers(server.url))
     return server

@@ -154,6 +154,28 @@ def test_private_tansu_starts_answers_and_stops_without_trace(tmp_path: Path) ->
     assert not kafka_answers(server.url, timeout=0.2)
 
 
+def environment_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+
+
+@pytest.mark.parametrize(("asked", "expected"), [(None, "1"), ("2", "2")])
+def test_the_private_broker_runs_one_runtime_thread_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asked: str | None, expected: str
+) -> None:
+    """Tokio's runtime reads its worker count from TOKIO_WORKER_THREADS."""
+    if asked is None:
+        monkeypatch.delenv("TOKIO_WORKER_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TOKIO_WORKER_THREADS", asked)
+    server = infra.start_kafka(tmp_path)
+    try:
+        assert server.pid is not None
+        assert environment_of(server.pid)["TOKIO_WORKER_THREADS"] == expected
+    finally:
+        infra.stop(server)
+
+
 def test_private_redis_starts_answers_and_stops_without_trace(tmp_path: Path) -> None:
     server = infra.start_redis(tmp_path)
     try:
