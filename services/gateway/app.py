@@ -115,7 +115,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         pool = await create_pool(settings.database_url, settings.db_pool_size + 4)
         await store.migrate_gateway(pool)
         redis = Redis.from_url(settings.redis_url)
-        holder["projector"] = Projector(pool, redis)
+        holder["projector"] = Projector(
+            pool, redis, early_max=settings.early_events_max, registry=runtime.registry
+        )
         app.state.usage = usage.UsageProjector(pool)
         app.state.gateway = Gateway(
             settings, pool, redis, broker, policy, tokens, tracing=runtime.tracing

@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 import structlog
 from aiokafka import ConsumerRecord
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -84,12 +85,35 @@ def changes_message(views: Iterable[JobView]) -> str:
     return json.dumps([[v.job_id, v.tenant, v.state.value] for v in views])
 
 
+# Events kept about jobs not heard of yet are at most this many rows (the newest are kept): a
+# producer writing lifecycle events about made-up job ids must not fill the database within
+# the day they are kept. The cap is enforced after every `EARLY_TRIM_EVERY` rows kept.
+EARLY_EVENTS_MAX = 100_000
+EARLY_TRIM_EVERY = 1_000
+
+
 class Projector:
-    def __init__(self, pool: asyncpg.Pool, redis: Redis) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        redis: Redis,
+        *,
+        early_max: int = EARLY_EVENTS_MAX,
+        early_trim_every: int = EARLY_TRIM_EVERY,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.pool = pool
         self.redis = redis
         self.skipped = 0
         self.feed_dropped = 0  # live feed lines lost to Redis outages
+        self.early_max = early_max
+        self.early_trim_every = max(1, early_trim_every)
+        self.early_dropped = Counter(
+            "qm_gateway_early_events_dropped_total",
+            "Lifecycle events kept for jobs not heard of yet, dropped over the row cap",
+            registry=registry or CollectorRegistry(),
+        )
+        self._kept_since_trim = 0
 
     async def _first_heard(
         self,
@@ -133,6 +157,22 @@ class Projector:
                 views[job_id] = new
         return still
 
+    async def _cap_early(self, conn: asyncpg.Connection, kept: int) -> None:
+        """Now and then, drop the oldest kept events beyond `early_max` rows (with a warning:
+        a flood of events about unknown jobs, or a job topic read far ahead of job.queued)."""
+        self._kept_since_trim += kept
+        if self._kept_since_trim < self.early_trim_every:
+            return
+        self._kept_since_trim = 0
+        dropped = await store.trim_early(conn, self.early_max)
+        if dropped:
+            self.early_dropped.inc(dropped)
+            log.warning(
+                "early events over the cap dropped; their jobs' views will miss them",
+                dropped=dropped,
+                cap=self.early_max,
+            )
+
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> list[OutMessage]:
         """Project the records; returns the dead letters the gateway owes (for the topics no
         other service dead-letters, GATEWAY_DEAD_LETTERS); what it cannot read it skips."""
@@ -167,6 +207,7 @@ class Projector:
                 early = await self._first_heard(conn, first_heard, views, changed, lines)
                 if early:
                     await store.keep_early(conn, early)
+                    await self._cap_early(conn, len(early))
             fresh = await store.claim_lines(conn, lines)
             # Replaying an event changes nothing, but only fresh ones are announced.
             await store.upsert_views(conn, list(changed.values()))

@@ -117,6 +117,18 @@ async def keep_early(conn: asyncpg.Connection, early: Sequence[tuple[Received, A
     )
 
 
+async def trim_early(conn: asyncpg.Connection, max_rows: int) -> int:
+    """Drop the oldest kept early events beyond the newest `max_rows`; returns how many.
+    Costs a walk of the received_at index over `max_rows` rows, so it is run now and then
+    (Projector), not for every batch."""
+    status = await conn.execute(
+        "DELETE FROM gateway.early_events WHERE event_id IN (SELECT event_id FROM"
+        " gateway.early_events ORDER BY received_at DESC, event_id DESC OFFSET $1)",
+        max(0, max_rows),
+    )
+    return int(status.split()[-1])
+
+
 async def take_early(
     conn: asyncpg.Connection, job_ids: Iterable[str], models: Mapping[str, type[BaseModel]]
 ) -> tuple[list[tuple[Envelope, Any]], int]:

@@ -199,3 +199,26 @@ async def test_a_kept_event_that_cannot_be_read_again_is_dropped_not_fatal(
     row = await view(pool, "j-bad")
     assert row is not None and row["state"] == JobState.PLACED.value
     assert await kept(pool) == [] and projector.skipped == 1
+
+
+async def test_events_about_unknown_jobs_are_capped_in_rows_newest_kept(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    """A producer writing lifecycle events about made-up job ids fills at most the cap: past
+    it the oldest kept rows go (counted), and a job heard of later still gets what is kept."""
+    pool, redis = rig
+    projector = Projector(pool, redis, early_max=5, early_trim_every=4)
+    for i in range(3):
+        await projector.process((started(f"j-flood-{i}"),))  # type: ignore[arg-type]
+    assert len(await kept(pool)) == 3  # under the trim's period: nothing looked at yet
+    for i in range(3, 12):
+        await projector.process((started(f"j-flood-{i}"),))  # type: ignore[arg-type]
+    # Trimmed after every 4th row kept: never more than the cap plus the trim period less one.
+    rows = await kept(pool)
+    assert 5 <= len(rows) <= 5 + 3
+    assert "j-flood-11" in rows and "j-flood-0" not in rows
+    assert projector.early_dropped._value.get() == 12 - len(rows)
+    # The newest kept event is still folded in when its job appears.
+    await projector.process((queued("j-flood-11"),))  # type: ignore[arg-type]
+    row = await view(pool, "j-flood-11")
+    assert row is not None and row["state"] == JobState.RUNNING.value
