@@ -12,6 +12,9 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.text import Text
+
+from cli.out import clean, error
 
 console = Console(highlight=False)
 
@@ -115,30 +118,32 @@ def tree(spans: list[Span]) -> list[Span]:
     return roots
 
 
-def story(span: Span, parent: Span | None) -> str:
-    """What happened at this hop, in words."""
-    parts = []
+def story(span: Span, parent: Span | None) -> Text:
+    """What happened at this hop, in words. Span files are written by the services and hold
+    names, ids and errors from what was submitted: every value is cleaned of terminal control
+    characters and shown as plain text, never read as rich markup."""
+    parts: list[Text] = []
     if parent is not None:
         gap = span.start_ns - parent.end_ns
         if gap >= 0:
-            parts.append(f"{duration(gap)} after {parent.name} ended")
+            parts.append(Text(clean(f"{duration(gap)} after {parent.name} ended")))
         else:
-            parts.append(f"began {duration(-gap)} before {parent.name} ended")
+            parts.append(Text(clean(f"began {duration(-gap)} before {parent.name} ended")))
     elif span.parent_id:
-        parts.append("its parent span is not in the files")
+        parts.append(Text("its parent span is not in the files"))
     cycle = span.event_ns("cycle.start")
     if cycle is not None:
-        parts.append(f"waited {duration(cycle - span.start_ns)} for the cycle that placed it")
-        parts.append(f"placed {duration(span.end_ns - cycle)} after that cycle began")
+        parts.append(Text(f"waited {duration(cycle - span.start_ns)} for the cycle that placed it"))
+        parts.append(Text(f"placed {duration(span.end_ns - cycle)} after that cycle began"))
     emitted = span.attributes.get("qm.emitted")
     if emitted:
-        parts.append("emitted " + ", ".join(str(e) for e in emitted))
+        parts.append(Text(clean("emitted " + ", ".join(str(e) for e in emitted))))
     if span.status == "error":
-        parts.append(f"[red]failed: {span.error or 'error'}[/red]")
-    return "; ".join(parts)
+        parts.append(Text(clean(f"failed: {span.error or 'error'}"), style="red"))
+    return Text("; ").join(parts)
 
 
-def render(spans: list[Span]) -> list[str]:
+def render(spans: list[Span]) -> list[Text]:
     """One trace as lines: a heading, then each span indented under its parent with its
     offset from the trace's start, its duration and its story."""
     if not spans:
@@ -148,18 +153,31 @@ def render(spans: list[Span]) -> list[str]:
     jobs = sorted({str(s.attributes["qm.job_id"]) for s in spans if "qm.job_id" in s.attributes})
     services = sorted({s.service.split("/")[0] for s in spans})
     lines = [
-        f"[bold]trace {spans[0].trace_id}[/bold]  job {', '.join(jobs) or '?'}  "
-        f"{len(spans)} spans in {len(services)} services ({', '.join(services)}), "
-        f"{duration(end - start)} end to end",
-        f"{'at':>10}  {'took':>9}  span",
+        Text.assemble(
+            (clean(f"trace {spans[0].trace_id}"), "bold"),
+            clean(
+                f"  job {', '.join(jobs) or '?'}  "
+                f"{len(spans)} spans in {len(services)} services ({', '.join(services)}), "
+                f"{duration(end - start)} end to end"
+            ),
+        ),
+        Text(f"{'at':>10}  {'took':>9}  span"),
     ]
 
     def walk(span: Span, parent: Span | None, depth: int) -> None:
-        label = f"{'  ' * depth}{'└ ' if depth else ''}{span.name} [dim]({span.service})[/dim]"
         said = story(span, parent)
         at = "+" + duration(span.start_ns - start)
         took = duration(span.end_ns - span.start_ns)
-        lines.append(f"{at:>10}  {took:>9}  {label}" + (f"  {said}" if said else ""))
+        line = Text.assemble(
+            f"{at:>10}  {took:>9}  {'  ' * depth}{'└ ' if depth else ''}",
+            clean(span.name),
+            " ",
+            (clean(f"({span.service})"), "dim"),
+        )
+        if said:
+            line.append("  ")
+            line.append_text(said)
+        lines.append(line)
         for child in span.children:
             walk(child, span, depth + 1)
 
@@ -186,15 +204,15 @@ def trace(job_id: str, directory: Path | None, as_json: bool) -> None:
 
         directory = trace_dir(state_dir())
     if not directory.is_dir():
-        console.print(
-            f"[red]error:[/red] no traces at {directory}: start the stack with tracing on "
+        error(
+            f"no traces at {directory}: start the stack with tracing on "
             "(`qm up`, the default) or pass --dir"
         )
         raise click.exceptions.Exit(1)
     found = traces_of(read_spans(directory), job_id)
     if not found:
-        console.print(
-            f"[red]error:[/red] no span of {job_id} in {directory} (spans are written about "
+        error(
+            f"no span of {job_id} in {directory} (spans are written about "
             "half a second after each hop; a job submitted before tracing was on has none)"
         )
         raise click.exceptions.Exit(1)

@@ -92,7 +92,7 @@ def test_the_spans_of_a_job_are_found_across_files_and_junk_is_skipped(tmp_path:
 
 def test_a_trace_is_drawn_as_a_tree_with_waits_in_words(tmp_path: Path) -> None:
     write(tmp_path, "all.jsonl", one_job())
-    lines = render(traces_of(read_spans(tmp_path), "job-1")[TRACE])
+    lines = [line.plain for line in render(traces_of(read_spans(tmp_path), "job-1")[TRACE])]
     text = "\n".join(lines)
     assert "4 spans in 4 services (executor, gateway, queue, scheduler), 39.87 s end to end" in text
     body = lines[2:]
@@ -102,15 +102,13 @@ def test_a_trace_is_drawn_as_a_tree_with_waits_in_words(tmp_path: Path) -> None:
     assert "    └ scheduler.place" in body[2]
     assert "waited 39.80 s for the cycle that placed it" in body[2]
     assert "placed 10 ms after that cycle began" in body[2]
-    assert "      └ executor.start (executor/a)" in body[3].replace("[dim]", "").replace(
-        "[/dim]", ""
-    )
+    assert "      └ executor.start (executor/a)" in body[3]
     assert body[3].lstrip().startswith("+39.85 s")
 
 
 def test_a_span_whose_parent_is_missing_is_shown_as_a_root(tmp_path: Path) -> None:
     write(tmp_path, "part.jsonl", one_job()[2:])  # the gateway's and queue's not written yet
-    lines = render(traces_of(read_spans(tmp_path), "job-1")[TRACE])
+    lines = [line.plain for line in render(traces_of(read_spans(tmp_path), "job-1")[TRACE])]
     assert "its parent span is not in the files" in lines[2]
     assert "└ executor.start" in lines[3]
 
@@ -120,7 +118,8 @@ def test_a_failed_hop_says_why(tmp_path: Path) -> None:
     failed["error"] = "not published"
     write(tmp_path, "f.jsonl", [failed])
     [line] = render(traces_of(read_spans(tmp_path), "job-1")[TRACE])[2:]
-    assert "failed: not published" in line
+    assert "failed: not published" in line.plain
+    assert any(span.style == "red" for span in line.spans)
 
 
 def test_qm_trace_prints_the_tree_or_says_what_is_missing(tmp_path: Path) -> None:
@@ -139,3 +138,21 @@ def test_qm_trace_prints_the_tree_or_says_what_is_missing(tmp_path: Path) -> Non
     assert missing.exit_code == 1 and "no span of job-9" in missing.output
     nowhere = CliRunner().invoke(app, ["trace", "job-1", "--dir", str(tmp_path / "none")])
     assert nowhere.exit_code == 1 and "no traces at" in nowhere.output
+
+
+def test_hostile_text_in_span_files_is_shown_as_text(tmp_path: Path) -> None:
+    """Span files carry what was submitted (a job id, an error's words): markup is shown as
+    it is, never applied (a `[/]` crashed rich before), and escape sequences never reach the
+    terminal."""
+    bad = span("[/]queue.admit", "[bold]queue", "d" * 16, None, 0, 5, job="j[/]")
+    bad["status"] = "error"
+    bad["error"] = "\x1b]0;owned\x07[red]boom\nforged row"
+    write(tmp_path, "bad.jsonl", [bad])
+    shown = CliRunner().invoke(app, ["trace", "j[/]", "--dir", str(tmp_path)])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())  # as rich wrapped it at 80 columns
+    assert "[/]queue.admit" in text and "([bold]queue)" in text
+    assert "failed: ?]0;owned?[red]boom?forged row" in text
+    assert "\x1b" not in shown.output and "\x07" not in shown.output
+    missing = CliRunner().invoke(app, ["trace", "\x1b[2Jj[/x]", "--dir", str(tmp_path)])
+    assert missing.exit_code == 1 and "no span of ?[2Jj[/x]" in missing.output
