@@ -53,6 +53,8 @@ class Runtime:
     _started: bool = False
     # Shutdown steps cut off while still running (they may ignore their cancellation).
     _abandoned: list[asyncio.Future[object]] = field(default_factory=list)
+    # When the lifespan's shutdown must be over (loop time), once it has begun.
+    _deadline: float | None = None
 
     def __post_init__(self) -> None:
         self.tracing = Tracing.configure(self.name, self.settings)
@@ -89,6 +91,8 @@ class Runtime:
             yield
         finally:
             self.ready = False
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.time() + self.settings.shutdown_deadline_s
             for task in self._tasks:
                 task.cancel()
             tasks = list(self._tasks)
@@ -101,7 +105,13 @@ class Runtime:
             if self.singleton is not None:
                 await self._bounded(self.singleton.release, "release the lease")
             if self.tracing is not None:
-                await asyncio.to_thread(self.tracing.shutdown)  # writes what is queued
+                # Writes what is queued (to a collector that may not answer): in a thread of
+                # its own that a process may exit without, not the loop's executor, whose
+                # close at exit would wait for it.
+                await self._bounded(
+                    lambda: in_daemon_thread(self.tracing.shutdown) if self.tracing else _none(),
+                    "write the traces",
+                )
             log.info("service stopped")
             self._exit_if_stuck()
 
@@ -110,7 +120,7 @@ class Runtime:
         the service (or a test) from stopping, nor the steps after it from running. A step
         that also ignores its cancellation is left behind; the process still exits, but an
         event loop that is closed afterwards (asyncio.run's) waits for it."""
-        limit = self.settings.shutdown_step_s
+        limit = self._limit()
         try:
             running = asyncio.ensure_future(step())
         except Exception:
@@ -131,6 +141,16 @@ class Runtime:
         elif (exc := running.exception()) is not None:
             log.warning("shutdown step failed", step=name, exc_info=exc)
 
+    def _limit(self) -> float:
+        """A step's time: `shutdown_step_s`, and no more than what is left of the shutdown's
+        `shutdown_deadline_s` (a step past it still gets a tenth of a second to do what it
+        does at once, e.g. release a lease)."""
+        limit = self.settings.shutdown_step_s
+        if self._deadline is not None:
+            left = self._deadline - asyncio.get_running_loop().time()
+            limit = min(limit, max(0.1, left))
+        return limit
+
     def _exit_if_stuck(self) -> None:
         """The last resort of a service's own process: a cut-off step that ignored its
         cancellation would keep the event loop's close (asyncio.Runner cancels and waits for
@@ -139,7 +159,7 @@ class Runtime:
         stuck = [step for step in self._abandoned if not step.done()]
         if not stuck or not _own_process:
             return
-        limit = self.settings.shutdown_step_s
+        limit = max(1.0, self._limit())
         log.error("a cut-off shutdown step is still running; exiting", steps=len(stuck), in_s=limit)
         timer = threading.Timer(limit, _exit_now)
         timer.daemon = True
@@ -266,6 +286,39 @@ def _exit_now() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(1)
+
+
+def in_daemon_thread(work: Callable[[], object]) -> asyncio.Future[None]:
+    """`work` run in a daemon thread of its own; the future is done when it returns (or with
+    its error). Unlike `asyncio.to_thread`, a thread that never returns keeps neither the
+    event loop's close nor the interpreter's exit waiting."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if done.done():
+            return  # given up on (cut off)
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    def run() -> None:
+        outcome: BaseException | None = None
+        try:
+            work()
+        except BaseException as exc:  # handed to the awaiting side
+            outcome = exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+            loop.call_soon_threadsafe(settle, outcome)
+
+    name = f"qm-{getattr(work, '__name__', 'work')}"
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+async def _none() -> None:
+    return None
 
 
 def _retrieve(task: asyncio.Future[object]) -> None:

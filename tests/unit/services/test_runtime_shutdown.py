@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 from fastapi import FastAPI
 
-from services.common.runtime import Runtime
+from services.common.runtime import Runtime, in_daemon_thread
 from services.common.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -147,3 +149,87 @@ def test_a_service_process_whose_step_ignores_cancellation_still_exits() -> None
     assert done.returncode == 1, output
     assert "lifespan over" in output and "never here" not in output
     assert "a cut-off shutdown step is still running; exiting" in output
+
+
+async def test_the_steps_together_end_by_the_shutdown_deadline() -> None:
+    """Each step gets `shutdown_step_s` but no more than what is left of the deadline; the
+    steps past it still start, with a tenth of a second each."""
+    service = Runtime("t", ServiceSettings(shutdown_step_s=30, shutdown_deadline_s=0.5))
+    ran: list[str] = []
+    never = asyncio.Event()
+
+    def hanging(name: str) -> Any:
+        async def hook() -> None:
+            ran.append(name)
+            await never.wait()
+
+        hook.__qualname__ = name
+        return hook
+
+    for name in ("c", "b", "a"):
+        service.on_shutdown(hanging(name))
+    with structlog.testing.capture_logs() as logs:
+        async with asyncio.timeout(60):  # only a bound on a broken test
+            async with service.lifespan(FastAPI()):
+                pass
+    assert ran == ["a", "b", "c"]
+    cut = [e["limit_s"] for e in logs if e["event"] == "shutdown step did not finish; cut off"]
+    assert len(cut) == 3
+    assert cut[0] <= 0.5 and cut[1:] == [0.1, 0.1]
+
+
+async def test_work_in_a_daemon_thread_is_awaited_or_left_behind() -> None:
+    assert await in_daemon_thread(lambda: None) is None
+    with pytest.raises(ValueError, match="bad"):
+        await in_daemon_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    release = threading.Event()
+    stuck = in_daemon_thread(release.wait)
+    [thread] = [t for t in threading.enumerate() if t.name == "qm-wait"]
+    assert thread.daemon  # an interpreter exits without waiting for it
+    stuck.cancel()  # given up on: its late end is ignored
+    release.set()
+    thread.join(10)
+    await asyncio.sleep(0)
+    assert stuck.cancelled()
+
+
+# A service's own process whose traces cannot be written (a collector that never answers):
+# the flush is cut off and the process exits normally, where `asyncio.to_thread` left a
+# thread that asyncio.run's close (and the interpreter's exit) waited for.
+TRACES_HANG = """
+import asyncio, threading
+from fastapi import FastAPI
+import services.common.runtime as runtime
+from services.common.settings import ServiceSettings
+
+runtime._own_process = True
+service = runtime.Runtime("t", ServiceSettings(shutdown_step_s=0.3))
+
+class NeverWritten:
+    def shutdown(self) -> None:
+        threading.Event().wait()
+
+service.tracing = NeverWritten()
+
+async def main() -> None:
+    async with service.lifespan(FastAPI()):
+        pass
+    print("lifespan over", flush=True)
+
+asyncio.run(main())
+print("exited normally", flush=True)
+"""
+
+
+def test_a_trace_flush_that_never_ends_does_not_keep_a_process_alive() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", TRACES_HANG],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,  # only a bound on a broken test; the process ends ~0.3 s in
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "exited normally" in output
+    assert "shutdown step did not finish; cut off" in output and "write the traces" in output
