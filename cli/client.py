@@ -125,6 +125,89 @@ class Response:
         return json.loads(self.content)
 
 
+@dataclass(frozen=True)
+class Proxy:
+    """An HTTP proxy to reach the gateway through, and the Proxy-Authorization to send it."""
+
+    host: str
+    port: int
+    authorization: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Proxy-Authorization": self.authorization} if self.authorization else {}
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.") or host.lower().endswith(".localhost"):
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bypassed(host: str, port: int, no_proxy: str) -> bool:
+    """Whether NO_PROXY names `host` (curl's rules: `*` for every host, else comma-separated
+    names or addresses, each matching itself and, as a domain, its subdomains, a leading dot
+    or not; an entry with `:port` only on that port)."""
+    host = host.lower().rstrip(".")
+    for raw in no_proxy.split(","):
+        entry = raw.strip().lower()
+        if not entry:
+            continue
+        if entry == "*":
+            return True
+        if entry.startswith("[") and "]:" in entry:  # [v6 address]:port
+            name, _, only = entry[1:].partition("]:")
+        elif entry.count(":") == 1:  # name:port (more colons: a bare v6 address)
+            name, _, only = entry.partition(":")
+        else:
+            name, only = entry, ""
+        if only and (not only.isdigit() or int(only) != port):
+            continue
+        name = name.strip("[]").lstrip(".").rstrip(".")
+        if name and (host == name or host.endswith("." + name)):
+            return True
+    return False
+
+
+def proxy_for(
+    scheme: str, host: str, port: int, environ: dict[str, str] | None = None
+) -> Proxy | None:
+    """The proxy for a gateway at scheme://host:port, from the environment as curl reads it:
+    `https_proxy`/`HTTPS_PROXY` for an https gateway, `http_proxy`/`HTTP_PROXY` for a plain
+    one (the lower-case name first), unless `no_proxy`/`NO_PROXY` names the host. A loopback
+    gateway (the dev stack's) is always reached directly. Only http:// proxies are spoken to;
+    user and password in the proxy's URL go as Basic Proxy-Authorization."""
+    env = os.environ if environ is None else environ
+    raw = (env.get(f"{scheme}_proxy") or env.get(f"{scheme.upper()}_PROXY") or "").strip()
+    if not raw or _loopback(host):
+        return None
+    no_proxy = env.get("no_proxy") or env.get("NO_PROXY") or ""
+    if _bypassed(host, port, no_proxy):
+        return None
+    url = urlsplit(raw if "://" in raw else f"http://{raw}")
+    if url.scheme.lower() != "http" or not url.hostname:
+        raise GatewayError(
+            f"the proxy {raw!r} ({scheme}_proxy) is not an http:// proxy URL: qm speaks to a "
+            "proxy over plain HTTP (an https gateway is still end-to-end TLS through it)"
+        )
+    try:
+        proxy_port = url.port or 80
+    except ValueError as exc:
+        raise GatewayError(f"the proxy {raw!r} ({scheme}_proxy) has a bad port: {exc}") from exc
+    authorization = None
+    if url.username is not None:
+        import base64
+        from urllib.parse import unquote
+
+        pair = f"{unquote(url.username)}:{unquote(url.password or '')}".encode()
+        authorization = "Basic " + base64.b64encode(pair).decode("ascii")
+    return Proxy(url.hostname, proxy_port, authorization)
+
+
 # A connection kept open across requests may have been closed by the server in between; only
 # a request that changes nothing is sent again on a new one.
 _IDEMPOTENT = frozenset({"GET", "HEAD", "DELETE"})
@@ -153,8 +236,14 @@ class GatewayClient:
             self._headers["Authorization"] = f"Bearer {connection.token}"
         # Certificates are checked against the system's CA store (SSL_CERT_FILE and
         # SSL_CERT_DIR override it); a plain-http gateway, the dev stack's, never loads it.
-        # No proxy is used (HTTPS_PROXY and the like are not read): the gateway is reached
-        # directly.
+        # Through a proxy (proxy_for), an https gateway is reached in a CONNECT tunnel, with
+        # TLS to the gateway itself; a plain one by asking the proxy for its absolute URL.
+        self._proxy = proxy_for(scheme, self._host, self._port)
+        self._origin = ""
+        if self._proxy is not None and not self._https:
+            shown = f"[{self._host}]" if ":" in self._host else self._host
+            self._origin = f"http://{shown}:{self._port}"
+            self._headers.update(self._proxy.headers())
         self._context: ssl.SSLContext | None = None
         if self._https:
             import ssl
@@ -176,15 +265,20 @@ class GatewayClient:
     def _connect(self, timeout: float | None) -> http.client.HTTPConnection:
         import http.client
 
+        proxy = self._proxy
+        host, port = (self._host, self._port) if proxy is None else (proxy.host, proxy.port)
         if self._context is not None:
-            return http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout, context=self._context
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                host, port, timeout=timeout, context=self._context
             )
-        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            if proxy is not None:  # TLS with the gateway inside the proxy's tunnel
+                connection.set_tunnel(self._host, self._port, headers=proxy.headers())
+            return connection
+        return http.client.HTTPConnection(host, port, timeout=timeout)
 
     def _target(self, path: str, params: dict[str, Any] | None) -> str:
         query = {k: v for k, v in (params or {}).items() if v is not None}
-        return self._prefix + path + (f"?{urlencode(query)}" if query else "")
+        return self._origin + self._prefix + path + (f"?{urlencode(query)}" if query else "")
 
     def _send(
         self,
@@ -235,6 +329,12 @@ class GatewayClient:
         ValueError) a header or target http.client refuses to send."""
         if isinstance(exc, ValueError):
             return GatewayError(f"cannot send that request to {self.base}: {exc}")
+        if self._proxy is not None:
+            return GatewayError(
+                f"cannot reach the gateway at {self.base} through the proxy "
+                f"{self._proxy.host}:{self._proxy.port} ({_reason(exc)}); check the proxy, "
+                "or name the gateway's host in NO_PROXY to reach it directly"
+            )
         return GatewayError(
             f"cannot reach the gateway at {self.base} ({_reason(exc)}); is the stack up? (qm up)"
         )
