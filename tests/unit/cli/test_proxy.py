@@ -135,7 +135,7 @@ def test_an_https_gateway_is_reached_through_a_tunnel(monkeypatch: pytest.Monkey
         monkeypatch.setenv("HTTPS_PROXY", proxy.url.replace("http://", "http://qm:pw@"))
         with (
             GatewayClient(Connection("https://gw.test", "tok")) as client,
-            pytest.raises(GatewayError, match="through the proxy 127.0.0.1"),
+            pytest.raises(GatewayError, match=r"through the proxy 127\.0\.0\.1"),
         ):
             client.queues()
     [(method, target, headers)] = proxy.seen
