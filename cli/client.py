@@ -189,15 +189,17 @@ def proxy_for(
     if _bypassed(host, port, no_proxy):
         return None
     url = urlsplit(raw if "://" in raw else f"http://{raw}")
+    # Shown without its user and password.
+    shown = raw.rpartition("@")[2] if url.username is not None or "@" in raw else raw
     if url.scheme.lower() != "http" or not url.hostname:
         raise GatewayError(
-            f"the proxy {raw!r} ({scheme}_proxy) is not an http:// proxy URL: qm speaks to a "
-            "proxy over plain HTTP (an https gateway is still end-to-end TLS through it)"
+            f"the proxy {shown!r} ({scheme}_proxy) is not an http:// proxy URL: qm speaks to "
+            "a proxy over plain HTTP (an https gateway is still end-to-end TLS through it)"
         )
     try:
         proxy_port = url.port or 80
     except ValueError as exc:
-        raise GatewayError(f"the proxy {raw!r} ({scheme}_proxy) has a bad port: {exc}") from exc
+        raise GatewayError(f"the proxy {shown!r} ({scheme}_proxy) has a bad port: {exc}") from exc
     authorization = None
     if url.username is not None:
         import base64

@@ -22,4 +22,4 @@ class AutoscalerSettings(ServiceSettings):
     # Inventories and demand are not on any job's critical path.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)

@@ -98,22 +98,25 @@ class OffsetCommitter:
 
 
 class Linger:
-    """Spaces a consumer's batches while its records flow: after a batch that read its
-    partitions to their end (as the fetch saw them) without filling `max_records`, the next
-    one starts no sooner than `linger_ms` after this one started.
+    """Spaces a consumer's batches while its records flow: after a batch that was no backlog,
+    the next one starts no sooner than `linger_ms` after this one started.
 
     Under a steady flow a consumer that starts its next batch as soon as the last is done
     handles a record or two at a time, and each batch costs a fetch from the broker, a
     transaction in the service's store and a pass of its handler, whatever it holds. A
-    consumer off the way from submission to placement (a read model, the meter, an executor,
-    the preemptor) can wait a little and take what came meanwhile in one batch: the records
-    wait up to `linger_ms` longer, the broker, the store and the service do the fixed part of
-    a batch fewer times (docs/performance.md, "Lingering consumers"). A backlog (a full
-    batch, or records left behind the batch's last) is read on at once: catching up after a
-    restart or a burst is never slowed. The first record after a pause is not held (the last
-    batch started long before), and 0 turns it off. ("Behind" is judged on the partitions in
-    the batch: a batch that ends one partition's fetched records before another partition's
-    have come in may linger once.)
+    consumer whose records are not on a fresh job's way to its placement (a read model, the
+    meter, an executor, the preemptor) can wait a little and take what came meanwhile in one
+    batch; the broker, the store and the service then do the fixed part of a batch fewer
+    times (docs/performance.md, docs/consumers.md "Lingering").
+
+    A backlog is read on at once: a batch is one when it, with the records its partitions
+    still had behind it when they were fetched, would fill `max_records` (catching up after a
+    restart or a burst is never slowed). A few records behind do not count: aiokafka holds one
+    fetched answer per partition and the broker may have more by then either way. So a record
+    waits up to about twice `linger_ms` more than it would (it may arrive just after its
+    partition's answer was fetched, and then waits for the batch after next). The first record
+    after a pause is not held (the last batch started long before), and 0 turns it off. The
+    wait is spent inside the handler, so FastStream's per-message duration includes it.
 
     Only a real Kafka consumer lingers: the in-memory test broker hands each record to the
     handler as it is published and has nothing to gather."""
@@ -134,7 +137,7 @@ class Linger:
     async def after(self, records: Sequence[Any], started: float, *, behind: int = 0) -> None:
         """Called once a batch begun at `started` (on `clock`) is done, with the records its
         partitions still had behind it when they were fetched."""
-        if not self.linger_s or not records or behind or len(records) >= self.max_records:
+        if not self.linger_s or not records or len(records) + behind >= self.max_records:
             return
         rest = self.linger_s - (self._clock() - started)
         if rest > 0:
@@ -376,13 +379,16 @@ class Consumers:
         group = Group(self, group_id, handle, give_up)
         lag = LagBook(self.metrics.lag, group_id)
 
-        context = self.broker.context
+        broker = self.broker
 
         async def on_batch(_body: Any = None) -> None:
             # The batch comes from FastStream's context, not from a `KafkaMessage` parameter:
             # FastDepends resolves such a parameter with a plain function, which it runs in a
-            # worker thread, so every batch cost a round trip to a thread and back.
-            message: KafkaMessage = context.get_local("message")
+            # worker thread, so every batch cost a round trip to a thread and back. The
+            # context is looked up per batch (an app that adopts the broker replaces it).
+            message: KafkaMessage | None = broker.context.get_local("message")
+            if message is None:
+                raise RuntimeError(f"no batch in FastStream's context for group {group_id}")
             started = time.monotonic()
             records = records_of(message)
             if records:

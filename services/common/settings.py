@@ -33,7 +33,7 @@ class ServiceSettings(BaseSettings):
     fetch_idle_after_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     max_batch_records: int = 500
     # While records flow, a consumer starts its batches at most this often (0: the next as
-    # soon as the last is done); a service off the way from submission to placement sets it
+    # soon as the last is done); a service not on a fresh job's way to its placement sets it
     # so that its batches gather what came meanwhile (common/consumer.py, `Linger`).
     batch_linger_ms: int = Field(default=0, ge=0, le=10_000)
     # After start-up, move every object made so far (modules, classes, pydantic's validators,

@@ -4,7 +4,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from services.common.settings import ServiceSettings
 
@@ -25,7 +25,7 @@ class ExecutorSettings(ServiceSettings):
     # there is an executor per cluster, so they poll less often than the scheduling path.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)
     # A stop order for a job not running here is kept this long (wall seconds) so that a
     # placement of the canceled job still on its way is refused; pruned every
     # `tombstone_prune_every_s`.

@@ -28,7 +28,7 @@ from services.gateway.context import Gateway
 from services.gateway.dashboard import views as dashboard
 from services.gateway.dashboard.session import Sessions
 from services.gateway.explain import record_explanations
-from services.gateway.handlers import PROJECTED, Projector
+from services.gateway.handlers import PROJECTED, Projector, early_dropped_counter
 from services.gateway.settings import GatewaySettings
 
 NAME = "gateway"
@@ -55,6 +55,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(fleet.router)
     dashboard.install(app, Sessions(tokens, settings.ui_session_secret, settings.ui_session_hours))
     holder: dict[str, Projector] = {}
+    early_dropped = early_dropped_counter(runtime.registry)  # listed before start-up
 
     consumers = Consumers(broker, settings, service=NAME, registry=runtime.registry)
 
@@ -116,7 +117,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         await store.migrate_gateway(pool)
         redis = Redis.from_url(settings.redis_url)
         holder["projector"] = Projector(
-            pool, redis, early_max=settings.early_events_max, registry=runtime.registry
+            pool,
+            redis,
+            early_max=settings.early_events_max,
+            early_max_bytes=settings.early_events_max_bytes,
+            early_dropped=early_dropped,
         )
         app.state.usage = usage.UsageProjector(pool)
         app.state.gateway = Gateway(

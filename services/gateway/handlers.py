@@ -85,11 +85,22 @@ def changes_message(views: Iterable[JobView]) -> str:
     return json.dumps([[v.job_id, v.tenant, v.state.value] for v in views])
 
 
-# Events kept about jobs not heard of yet are at most this many rows (the newest are kept): a
-# producer writing lifecycle events about made-up job ids must not fill the database within
-# the day they are kept. The cap is enforced after every `EARLY_TRIM_EVERY` rows kept.
+# Events kept about jobs not heard of yet are at most this many rows and bytes (the newest are
+# kept): a producer writing lifecycle events about made-up job ids must not fill the database
+# within the day they are kept. The caps are enforced after every `EARLY_TRIM_EVERY` rows or
+# `EARLY_TRIM_BYTES` kept, whichever comes first.
 EARLY_EVENTS_MAX = 100_000
+EARLY_EVENTS_MAX_BYTES = 256 << 20
 EARLY_TRIM_EVERY = 1_000
+EARLY_TRIM_BYTES = 8 << 20
+
+
+def early_dropped_counter(registry: CollectorRegistry | None = None) -> Counter:
+    return Counter(
+        "qm_gateway_early_events_dropped_total",
+        "Lifecycle events kept for jobs not heard of yet, dropped over the row or byte cap",
+        registry=registry or CollectorRegistry(),
+    )
 
 
 class Projector:
@@ -99,21 +110,20 @@ class Projector:
         redis: Redis,
         *,
         early_max: int = EARLY_EVENTS_MAX,
+        early_max_bytes: int = EARLY_EVENTS_MAX_BYTES,
         early_trim_every: int = EARLY_TRIM_EVERY,
-        registry: CollectorRegistry | None = None,
+        early_dropped: Counter | None = None,
     ) -> None:
         self.pool = pool
         self.redis = redis
         self.skipped = 0
         self.feed_dropped = 0  # live feed lines lost to Redis outages
         self.early_max = early_max
+        self.early_max_bytes = early_max_bytes
         self.early_trim_every = max(1, early_trim_every)
-        self.early_dropped = Counter(
-            "qm_gateway_early_events_dropped_total",
-            "Lifecycle events kept for jobs not heard of yet, dropped over the row cap",
-            registry=registry or CollectorRegistry(),
-        )
+        self.early_dropped = early_dropped or early_dropped_counter()
         self._kept_since_trim = 0
+        self._bytes_since_trim = 0
 
     async def _first_heard(
         self,
@@ -157,20 +167,25 @@ class Projector:
                 views[job_id] = new
         return still
 
-    async def _cap_early(self, conn: asyncpg.Connection, kept: int) -> None:
-        """Now and then, drop the oldest kept events beyond `early_max` rows (with a warning:
-        a flood of events about unknown jobs, or a job topic read far ahead of job.queued)."""
+    async def _cap_early(self, conn: asyncpg.Connection, kept: int, size: int) -> None:
+        """Now and then, drop the oldest kept events beyond `early_max` rows or
+        `early_max_bytes` (with a warning: a flood of events about unknown jobs, or a job
+        topic read far ahead of job.queued)."""
         self._kept_since_trim += kept
-        if self._kept_since_trim < self.early_trim_every:
+        self._bytes_since_trim += size
+        if self._kept_since_trim < self.early_trim_every and self._bytes_since_trim < min(
+            EARLY_TRIM_BYTES, self.early_max_bytes
+        ):
             return
-        self._kept_since_trim = 0
-        dropped = await store.trim_early(conn, self.early_max)
+        self._kept_since_trim = self._bytes_since_trim = 0
+        dropped = await store.trim_early(conn, self.early_max, self.early_max_bytes)
         if dropped:
             self.early_dropped.inc(dropped)
             log.warning(
                 "early events over the cap dropped; their jobs' views will miss them",
                 dropped=dropped,
-                cap=self.early_max,
+                max_rows=self.early_max,
+                max_bytes=self.early_max_bytes,
             )
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> list[OutMessage]:
@@ -206,8 +221,8 @@ class Projector:
             if first_heard:
                 early = await self._first_heard(conn, first_heard, views, changed, lines)
                 if early:
-                    await store.keep_early(conn, early)
-                    await self._cap_early(conn, len(early))
+                    size = await store.keep_early(conn, early)
+                    await self._cap_early(conn, len(early), size)
             fresh = await store.claim_lines(conn, lines)
             # Replaying an event changes nothing, but only fresh ones are announced.
             await store.upsert_views(conn, list(changed.values()))

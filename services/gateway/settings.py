@@ -13,10 +13,11 @@ class GatewaySettings(ServiceSettings):
     # The read model is not on any job's critical path: poll the broker less often.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)
     # Lifecycle events read before their job (kept until it is heard of, a day at most) are
-    # at most this many rows; the oldest beyond it are dropped with a warning.
+    # at most this many rows and bytes; the oldest beyond either are dropped with a warning.
     early_events_max: int = Field(default=100_000, ge=1)
+    early_events_max_bytes: int = Field(default=256 << 20, ge=1 << 20)
     # How long `?follow=true` keeps a quiet event stream open before closing it.
     watch_idle_timeout_s: float = 3600.0
     # The dashboard's session cookies are signed with this key. Every gateway replica must

@@ -100,31 +100,39 @@ async def lock_unknown(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict
 EARLY_EVENTS_KEPT = timedelta(days=1)
 
 
-async def keep_early(conn: asyncpg.Connection, early: Sequence[tuple[Received, Any]]) -> None:
+async def keep_early(conn: asyncpg.Connection, early: Sequence[tuple[Received, Any]]) -> int:
     """Keep lifecycle events read before their job's view exists (see 011_early_events.sql),
-    as their envelopes were decoded (upcast to this version), and drop those kept too long."""
+    as their envelopes were decoded (upcast to this version), and drop those kept too long.
+    Returns the bytes kept."""
     await conn.execute(
         "DELETE FROM gateway.early_events WHERE received_at < now() - $1::interval",
         EARLY_EVENTS_KEPT,
     )
+    values = [got.envelope.model_dump_json().encode() for got, _ in early]
     await conn.execute(
         "INSERT INTO gateway.early_events (event_id, job_id, topic, value) SELECT * FROM"
         " unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) ON CONFLICT DO NOTHING",
         [got.envelope.event_id for got, _ in early],
         [str(p.job_id) for _, p in early],
         [got.record.topic for got, _ in early],
-        [got.envelope.model_dump_json().encode() for got, _ in early],
+        values,
     )
+    return sum(map(len, values))
 
 
-async def trim_early(conn: asyncpg.Connection, max_rows: int) -> int:
-    """Drop the oldest kept early events beyond the newest `max_rows`; returns how many.
-    Costs a walk of the received_at index over `max_rows` rows, so it is run now and then
-    (Projector), not for every batch."""
+async def trim_early(conn: asyncpg.Connection, max_rows: int, max_bytes: int) -> int:
+    """Drop the oldest kept early events beyond the newest `max_rows`, or beyond the newest
+    `max_bytes` of stored envelopes (a record may be up to a MiB); returns how many. Reads
+    every kept row's size (not its value), so it is run now and then (Projector), not for
+    every batch."""
     status = await conn.execute(
-        "DELETE FROM gateway.early_events WHERE event_id IN (SELECT event_id FROM"
-        " gateway.early_events ORDER BY received_at DESC, event_id DESC OFFSET $1)",
+        "DELETE FROM gateway.early_events WHERE event_id IN (SELECT event_id FROM ("
+        " SELECT event_id, row_number() OVER newest AS n, sum(octet_length(value)) OVER newest"
+        " AS b FROM gateway.early_events"
+        " WINDOW newest AS (ORDER BY received_at DESC, event_id DESC)) AS kept"
+        " WHERE n > $1 OR b > $2)",
         max(0, max_rows),
+        max(0, max_bytes),
     )
     return int(status.split()[-1])
 

@@ -3,6 +3,8 @@ file's (tests and demos use seconds where production uses minutes)."""
 
 from pathlib import Path
 
+from pydantic import Field
+
 from services.common.settings import REPO_ROOT, ServiceSettings
 
 
@@ -23,4 +25,4 @@ class HealthSettings(ServiceSettings):
     # Heartbeats are not on any job's critical path: poll the broker less eagerly.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)

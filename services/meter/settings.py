@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from pydantic import Field
+
 from services.common.settings import REPO_ROOT, ServiceSettings
 
 
@@ -25,5 +27,5 @@ class MeterSettings(ServiceSettings):
     # Lifecycle events are not on any job's critical path.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)
     max_batch_records: int = 2000

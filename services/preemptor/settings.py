@@ -1,6 +1,8 @@
 """Preemptor settings (env prefix QM_). The guards' limits are in the policy file
 (`preemption:`); these are the service's own timings."""
 
+from pydantic import Field
+
 from services.common.settings import ServiceSettings
 
 
@@ -25,4 +27,4 @@ class PreemptorSettings(ServiceSettings):
     # Placements and lifecycle events are the bulk of what is read; requests are rare.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)

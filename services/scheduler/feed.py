@@ -83,6 +83,7 @@ class Feed:
         # Seconds each consumer's batches are spaced while records flow (set_linger).
         self._lingers = [0.0] * len(self._groups)
         self._cut = asyncio.Event()  # set to end the lingering now (set_linger shortened it)
+        self._catching_up = False  # a new leader reads to the end (catch_up): no lingering
         self._owner: dict[TopicPartition, Any] = {}
         self._targets: dict[TopicPartition, int] = {}
         self._marks: dict[tuple[str, int], Mark] = {}
@@ -180,12 +181,18 @@ class Feed:
     async def catch_up(self, poll_s: float = 0.01) -> None:
         """Wait until everything published so far has been applied (a new leader must not
         decide on a view that lags the old leader's last decisions)."""
-        targets: dict[TopicPartition, int] = {}
-        for consumer in self._consumers:
-            targets.update(await consumer.end_offsets(list(consumer.assignment())))
-        for tp, end in targets.items():
-            while not await self._read_to(tp, end):  # noqa: ASYNC110
-                await asyncio.sleep(poll_s)
+        self._catching_up = True
+        self._cut.set()  # a consumer lingering now reads on at once
+        self._cut = asyncio.Event()
+        try:
+            targets: dict[TopicPartition, int] = {}
+            for consumer in self._consumers:
+                targets.update(await consumer.end_offsets(list(consumer.assignment())))
+            for tp, end in targets.items():
+                while not await self._read_to(tp, end):  # noqa: ASYNC110
+                    await asyncio.sleep(poll_s)
+        finally:
+            self._catching_up = False
 
     async def _read_to(self, tp: TopicPartition, end: int) -> bool:
         """Whether `tp` is applied up to its true end as of when `end` was taken: a high
@@ -236,19 +243,23 @@ class Feed:
         started: float,
     ) -> None:
         """Space this consumer's batches while records flow (set_linger), never while the
-        feed catches up or a batch left records behind it."""
+        feed catches up (at start or taking the lead) or reads a backlog (Linger's rule)."""
         linger = self._lingers[index]
         if not linger or not self.caught_up.is_set():
             return
         last = {tp: rs[-1].offset for tp, rs in batches.items() if rs}
-        if not last or sum(map(len, batches.values())) >= FETCH_MAX_RECORDS:
+        if not last or self._catching_up:
             return
-        if any(lag_behind(last, consumer.highwater).values()):
+        behind = sum(lag_behind(last, consumer.highwater).values())
+        if sum(map(len, batches.values())) + behind >= FETCH_MAX_RECORDS:
             return
         rest = linger - (time.monotonic() - started)
         if rest > 0:
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
+            # comes in the same turn as the cut.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._cut.wait(), rest)
+                async with asyncio.timeout(rest):
+                    await self._cut.wait()
 
     def _observe(
         self,

@@ -1,5 +1,7 @@
 """Scheduler settings (env prefix QM_)."""
 
+from pydantic import Field
+
 from services.common.settings import ServiceSettings
 
 
@@ -20,9 +22,11 @@ class SchedulerSettings(ServiceSettings):
     cold_fetch_max_wait_ms: int = 100
     # While records flow, the leader's second consumer gathers them for this long into one
     # batch, and a standby's consumers for standby_linger_ms (common/consumer.py, Linger; new
-    # work is never held). Taking the lead ends a standby's linger at once.
-    cold_linger_ms: int = 100
-    standby_linger_ms: int = 250
+    # work is never held): capacity freed by a run's end, a refusal or a preemption reaches
+    # the cycle up to about twice this later. Taking the lead ends a standby's linger at once
+    # and reads to the end without lingering.
+    cold_linger_ms: int = Field(default=100, ge=0, le=10_000)
+    standby_linger_ms: int = Field(default=250, ge=0, le=10_000)
     lease_name: str = "qm:scheduler:leader"
     lease_ttl_ms: int = 3000
     # Every this many cycles the kept working set is compared with one rebuilt from the state

@@ -1,5 +1,7 @@
 """Serving settings (env prefix QM_)."""
 
+from pydantic import Field
+
 from services.common.settings import ServiceSettings
 
 
@@ -13,4 +15,4 @@ class ServingSettings(ServiceSettings):
     # Replica lifecycle and reports are not on a batch job's critical path.
     fetch_max_wait_ms: int = 100
     # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = 100
+    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)

@@ -222,3 +222,18 @@ async def test_events_about_unknown_jobs_are_capped_in_rows_newest_kept(
     await projector.process((queued("j-flood-11"),))  # type: ignore[arg-type]
     row = await view(pool, "j-flood-11")
     assert row is not None and row["state"] == JobState.RUNNING.value
+
+
+async def test_events_about_unknown_jobs_are_capped_in_bytes_too(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    """A record may be up to a MiB: the rows' count alone does not bound what they hold."""
+    pool, redis = rig
+    projector = Projector(pool, redis, early_max=1000, early_max_bytes=1500, early_trim_every=1)
+    for i in range(10):
+        await projector.process((started(f"j-big-{i}"),))  # type: ignore[arg-type]
+    size = await pool.fetchval("SELECT sum(octet_length(value)) FROM gateway.early_events")
+    rows = await kept(pool)
+    assert size <= 1500 and 1 <= len(rows) < 10
+    assert "j-big-9" in rows and "j-big-0" not in rows
+    assert projector.early_dropped._value.get() == 10 - len(rows)

@@ -64,10 +64,20 @@ def test_the_proxy_is_the_one_curl_would_use(
     assert proxy_for(scheme, host, port, env) == expected
 
 
-@pytest.mark.parametrize("raw", ["https://px:3128", "socks5://px:1080", "http://px:99999"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "https://px:3128",
+        "socks5://px:1080",
+        "http://px:99999",
+        "https://me:s3cret@px:3128",
+        "http://me:s3cret@px:99999",
+    ],
+)
 def test_a_proxy_qm_cannot_speak_to_is_a_clear_error(raw: str) -> None:
-    with pytest.raises(GatewayError, match="proxy"):
+    with pytest.raises(GatewayError, match="proxy") as raised:
         proxy_for("https", "gw.example", 443, {"HTTPS_PROXY": raw})
+    assert "s3cret" not in str(raised.value) and "me:" not in str(raised.value)
 
 
 class ProxyDouble:

@@ -59,7 +59,16 @@ async def test_a_backlog_is_read_on_at_once() -> None:
     lg, clock = linger(100, max_records=3)
     await lg.after([1, 2, 3], clock.now)  # a full batch: more is waiting
     await lg.after([1], clock.now, behind=7)  # records left behind in its partitions
+    await lg.after([1], clock.now, behind=2)  # with them, as many as a batch takes
     assert clock.slept == []
+
+
+async def test_a_record_or_two_behind_is_no_backlog() -> None:
+    """aiokafka holds one fetched answer per partition: a record that came in meanwhile
+    shows as behind, and waiting for it is what lingering is for."""
+    lg, clock = linger(100, max_records=10)
+    await lg.after([1, 2], clock.now, behind=3)
+    assert clock.slept == [pytest.approx(0.1)]
 
 
 async def test_no_linger_no_records_no_wait() -> None:
@@ -106,8 +115,8 @@ async def test_the_feed_lingers_only_its_caught_up_consumers_without_a_backlog()
     loop = asyncio.get_running_loop()
     # The hot consumer (index 0) never lingers.
     await asyncio.wait_for(feed._linger(at_end, 0, batch, loop.time()), 5)
-    # Records left behind: read on.
-    behind = FakeConsumer({TP: 9})
+    # A backlog (the batch and what its partitions had behind it fill a fetch): read on.
+    behind = FakeConsumer({TP: FETCH_MAX_RECORDS + 5})
     await asyncio.wait_for(feed._linger(behind, 1, batch, loop.time()), 5)
     # A full batch: read on.
     full = {TP: [Record(i) for i in range(FETCH_MAX_RECORDS)]}
@@ -118,6 +127,9 @@ async def test_the_feed_lingers_only_its_caught_up_consumers_without_a_backlog()
     feed.caught_up.clear()
     await asyncio.wait_for(feed._linger(at_end, 1, batch, loop.time()), 5)
     feed.caught_up.set()
+    feed._catching_up = True
+    await asyncio.wait_for(feed._linger(at_end, 1, batch, loop.time()), 5)
+    feed._catching_up = False
     # Caught up, read to the end, a small batch: it lingers until the linger is shortened.
     waiting = asyncio.ensure_future(feed._linger(at_end, 1, batch, loop.time()))
     await asyncio.sleep(0)
@@ -164,3 +176,16 @@ async def test_a_batch_reaches_its_step_without_a_trip_to_a_worker_thread(
         await test_broker.publish(b"two", "hop-topic")
     assert seen == [b"one", b"two"]
     assert hops == []
+
+
+async def test_a_take_over_cuts_the_linger_and_reads_to_the_end_at_once() -> None:
+    feed = feed_with((0, 60_000))
+    at_end = FakeConsumer({TP: 5})
+    batch: dict[TopicPartition, list[Any]] = {TP: [Record(3), Record(4)]}
+    loop = asyncio.get_running_loop()
+    waiting = asyncio.ensure_future(feed._linger(at_end, 1, batch, loop.time()))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await asyncio.wait_for(feed.catch_up(), 5)  # no consumers: nothing to read
+    await asyncio.wait_for(waiting, 5)
+    assert not feed._catching_up
