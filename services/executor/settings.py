@@ -24,8 +24,9 @@ class ExecutorSettings(ServiceSettings):
     # Placements wait in the broker at most this long. Every poll is a broker round trip and
     # there is an executor per cluster, so they poll less often than the scheduling path.
     fetch_max_wait_ms: int = 100
-    # While records flow, each batch gathers what came in for this long (common/consumer.py).
-    batch_linger_ms: int = Field(default=100, ge=0, le=10_000)
+    # No lingering (common/consumer.py, Linger): a placement's way to its run starting, and so
+    # to the capacity turning over, is what a full fleet waits on.
+    batch_linger_ms: int = Field(default=0, ge=0, le=10_000)
     # A stop order for a job not running here is kept this long (wall seconds) so that a
     # placement of the canceled job still on its way is refused; pruned every
     # `tombstone_prune_every_s`.

@@ -20,12 +20,12 @@ class SchedulerSettings(ServiceSettings):
     # The leader polls new work (job.queued) at fetch_max_wait_ms and the rest of its topics
     # (capacity, run ends, refusals, preemptions, health, budgets) at this rate.
     cold_fetch_max_wait_ms: int = 100
-    # While records flow, the leader's second consumer gathers them for this long into one
-    # batch, and a standby's consumers for standby_linger_ms (common/consumer.py, Linger; new
-    # work is never held): capacity freed by a run's end, a refusal or a preemption reaches
-    # the cycle up to about twice this later. Taking the lead ends a standby's linger at once
-    # and reads to the end without lingering.
-    cold_linger_ms: int = Field(default=100, ge=0, le=10_000)
+    # While records flow, a standby's consumers gather them for standby_linger_ms into one
+    # batch (common/consumer.py, Linger); taking the lead ends the linger at once and reads to
+    # the end without lingering. The leader lingers on neither: its second consumer carries
+    # the run ends that free capacity, which a full fleet waits on (cold_linger_ms, 0 by
+    # default; docs/consumers.md, "Lingering", has what 100 ms cost).
+    cold_linger_ms: int = Field(default=0, ge=0, le=10_000)
     standby_linger_ms: int = Field(default=250, ge=0, le=10_000)
     lease_name: str = "qm:scheduler:leader"
     lease_ttl_ms: int = 3000
