@@ -104,8 +104,8 @@ class Linger:
     Under a steady flow a consumer that starts its next batch as soon as the last is done
     handles a record or two at a time, and each batch costs a fetch from the broker, a
     transaction in the service's store and a pass of its handler, whatever it holds. A
-    consumer whose records are not on a fresh job's way to its placement (a read model, the
-    meter, an executor, the preemptor) can wait a little and take what came meanwhile in one
+    consumer whose records are not on a fresh job's way to its placement and start (a read
+    model, the meter, the preemptor) can wait a little and take what came meanwhile in one
     batch; the broker, the store and the service then do the fixed part of a batch fewer
     times (docs/performance.md, docs/consumers.md "Lingering").
 

@@ -146,9 +146,10 @@ class Feed:
 
     def set_linger(self, ms: int, cold_ms: int | None = None) -> None:
         """How long each consumer gathers records into one batch while they flow and it is
-        caught up (common/consumer.py, Linger): none for the leader's new work, a little for
-        its other topics, more while standing by. `cold_ms` for the second consumer (default:
-        `ms`). A shorter linger (taking the lead) ends the current one at once."""
+        caught up (common/consumer.py, Linger): none for the leader's new work, its other
+        topics as set (cold_linger_ms, none by default), some while standing by. `cold_ms`
+        for the second consumer (default: `ms`). A shorter linger (taking the lead) ends the
+        current one at once."""
         shorter = False
         for i in range(len(self._lingers)):
             wait = max(0, cold_ms if i == self._cold and cold_ms is not None else ms) / 1000
