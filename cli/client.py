@@ -189,8 +189,7 @@ def proxy_for(
     if _bypassed(host, port, no_proxy):
         return None
     url = urlsplit(raw if "://" in raw else f"http://{raw}")
-    # Shown without its user and password.
-    shown = raw.rpartition("@")[2] if url.username is not None or "@" in raw else raw
+    shown = url._replace(netloc=url.netloc.rpartition("@")[2]).geturl()  # no credentials
     if url.scheme.lower() != "http" or not url.hostname:
         raise GatewayError(
             f"the proxy {shown!r} ({scheme}_proxy) is not an http:// proxy URL: qm speaks to "

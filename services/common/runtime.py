@@ -104,14 +104,11 @@ class Runtime:
                     await self._bounded(hook, _name_of(hook))
             if self.singleton is not None:
                 await self._bounded(self.singleton.release, "release the lease")
-            if self.tracing is not None:
+            if (tracing := self.tracing) is not None:
                 # Writes what is queued (to a collector that may not answer): in a thread of
                 # its own that a process may exit without, not the loop's executor, whose
                 # close at exit would wait for it.
-                await self._bounded(
-                    lambda: in_daemon_thread(self.tracing.shutdown) if self.tracing else _none(),
-                    "write the traces",
-                )
+                await self._bounded(lambda: in_daemon_thread(tracing.shutdown), "write the traces")
             log.info("service stopped")
             self._exit_if_stuck()
 
@@ -315,10 +312,6 @@ def in_daemon_thread(work: Callable[[], object]) -> asyncio.Future[None]:
     name = f"qm-{getattr(work, '__name__', 'work')}"
     threading.Thread(target=run, name=name, daemon=True).start()
     return done
-
-
-async def _none() -> None:
-    return None
 
 
 def _retrieve(task: asyncio.Future[object]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -21,6 +22,28 @@ async def bounded(step: Awaitable[object], seconds: float, what: str) -> None:
             await step
     except TimeoutError as exc:
         raise TimeoutError(f"{what} did not finish within {seconds:.0f} s") from exc
+
+
+async def fresh_topic(bootstrap: str, prefix: str, partitions: int = 2) -> str:
+    """A topic of its own for one test, named `prefix-<random>`."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1)])
+    finally:
+        await admin.close()
+    return name
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 30.0) -> None:
+    """Wait until `check()` holds; fails the test after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
 
 
 async def produce(bootstrap: str, topic: str, messages: Iterable[tuple[str | None, bytes]]) -> None:

@@ -5,39 +5,18 @@ order and spacing of what happened: a slow machine only spaces batches further a
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-import uuid
 from typing import Any
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.settings import ServiceSettings
-from tests.integration.kafka_tools import produce
+from tests.integration.kafka_tools import eventually, fresh_topic, produce
 
 pytestmark = pytest.mark.integration
-
-
-async def fresh_topic(bootstrap: str) -> str:
-    name = f"linger-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, 2, 1)])
-    finally:
-        await admin.close()
-    return name
-
-
-async def eventually(check: Any, timeout_s: float = 60.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
 
 
 async def consume(
@@ -65,12 +44,12 @@ async def consume(
 
 
 async def test_records_that_trickle_in_are_gathered_for_the_linger(topics_ready: str) -> None:
-    topic = await fresh_topic(topics_ready)
+    topic = await fresh_topic(topics_ready, "linger")
     batches, stop = await consume(topics_ready, topic, linger_ms=400, max_records=500)
     try:
         for i in range(30):
             await produce(topics_ready, topic, [(f"k{i % 5}", f"r{i}".encode())])
-        await eventually(lambda: sum(n for _, n in batches) >= 30)
+        await eventually(lambda: sum(n for _, n in batches) >= 30, timeout_s=60)
     finally:
         await stop()
     assert sum(n for _, n in batches) == 30
@@ -82,7 +61,7 @@ async def test_records_that_trickle_in_are_gathered_for_the_linger(topics_ready:
 
 
 async def test_a_backlog_is_read_without_lingering(topics_ready: str) -> None:
-    topic = await fresh_topic(topics_ready)
+    topic = await fresh_topic(topics_ready, "linger")
     await produce(topics_ready, topic, [(f"k{i % 7}", f"r{i}".encode()) for i in range(1200)])
     # Had the batches of this backlog lingered, 1,200 records in batches of at most 100 would
     # take a minute to read. (A batch that ends one partition's fetched records before the

@@ -7,41 +7,21 @@ at once."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.settings import ServiceSettings
 from services.scheduler.feed import Feed
-from tests.integration.kafka_tools import produce
+from tests.integration.kafka_tools import eventually, fresh_topic, produce
 
 pytestmark = pytest.mark.integration
 
 
-async def fresh_topic(bootstrap: str) -> str:
-    name = f"pacing-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, 2, 1)])
-    finally:
-        await admin.close()
-    return name
-
-
-async def eventually(check: Any, timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_service_consumer_polls_fast_only_while_records_come(topics_ready: str) -> None:
-    topic = await fresh_topic(topics_ready)
+    topic = await fresh_topic(topics_ready, "pacing")
     settings = ServiceSettings(
         kafka_bootstrap=topics_ready,
         fetch_max_wait_ms=20,
@@ -83,7 +63,7 @@ async def test_a_service_consumer_polls_fast_only_while_records_come(topics_read
 
 
 async def test_the_scheduler_feed_paces_each_consumer(topics_ready: str) -> None:
-    topic = await fresh_topic(topics_ready)
+    topic = await fresh_topic(topics_ready, "pacing")
     applied: list[tuple[bytes, int]] = []
 
     def apply(records: list[Any]) -> None:

@@ -107,9 +107,33 @@ async def test_a_shutdown_that_is_itself_cancelled_cancels_its_step() -> None:
     assert outcome == ["cancelled"]
 
 
+# The end of each script below: the service's lifespan, run as a service process runs it.
+LIFESPAN = """
+async def main() -> None:
+    async with service.lifespan(FastAPI()):
+        pass
+    print("lifespan over", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def run_alone(script: str) -> tuple[int, str]:
+    """`script` in a fresh interpreter in the repository: its exit code and its output."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,  # only a bound on a broken test
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 # A service's own process whose close hook ignores its cancellation: asyncio.run's close would
 # wait for that task for ever; the process ends itself instead (exit code 1).
-STUBBORN = """
+STUBBORN = (
+    """
 import asyncio
 from fastapi import FastAPI
 import services.common.runtime as runtime
@@ -126,27 +150,17 @@ async def stubborn() -> None:
             continue
 
 service.on_shutdown(stubborn)
-
-async def main() -> None:
-    async with service.lifespan(FastAPI()):
-        pass
-    print("lifespan over", flush=True)
-
-asyncio.run(main())
+"""
+    + LIFESPAN
+    + """
 print("never here: asyncio.run waits for the stubborn step", flush=True)
 """
+)
 
 
 def test_a_service_process_whose_step_ignores_cancellation_still_exits() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", STUBBORN],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,  # only a bound on a broken test; the process ends ~0.6 s in
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 1, output
+    returncode, output = run_alone(STUBBORN)  # ends ~0.6 s in
+    assert returncode == 1, output
     assert "lifespan over" in output and "never here" not in output
     assert "a cut-off shutdown step is still running; exiting" in output
 
@@ -196,7 +210,8 @@ async def test_work_in_a_daemon_thread_is_awaited_or_left_behind() -> None:
 # A service's own process whose traces cannot be written (a collector that never answers):
 # the flush is cut off and the process exits normally, where `asyncio.to_thread` left a
 # thread that asyncio.run's close (and the interpreter's exit) waited for.
-TRACES_HANG = """
+TRACES_HANG = (
+    """
 import asyncio, threading
 from fastapi import FastAPI
 import services.common.runtime as runtime
@@ -210,26 +225,16 @@ class NeverWritten:
         threading.Event().wait()
 
 service.tracing = NeverWritten()
-
-async def main() -> None:
-    async with service.lifespan(FastAPI()):
-        pass
-    print("lifespan over", flush=True)
-
-asyncio.run(main())
+"""
+    + LIFESPAN
+    + """
 print("exited normally", flush=True)
 """
+)
 
 
 def test_a_trace_flush_that_never_ends_does_not_keep_a_process_alive() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", TRACES_HANG],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,  # only a bound on a broken test; the process ends ~0.3 s in
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    returncode, output = run_alone(TRACES_HANG)  # ends ~0.3 s in
+    assert returncode == 0, output
     assert "exited normally" in output
     assert "shutdown step did not finish; cut off" in output and "write the traces" in output
