@@ -117,6 +117,11 @@ class _Run:
     # Smallest amount a tenant was refused for a tuple of acceptable types: quota only tightens.
     refused: dict[tuple[TenantId, tuple[str, ...]], float] = field(default_factory=dict)
     _shares: dict[str, float] = field(default_factory=dict)
+    # Quota's verdict per (tenant, acceptable types, amount) at the quota's version: with
+    # thousands waiting behind a full fleet most jobs ask what the previous one asked.
+    _verdicts: dict[tuple[TenantId, tuple[str, ...], float], tuple[int, list[Admission] | Miss]] = (
+        field(default_factory=dict)
+    )
 
     @classmethod
     def start(cls, state: CycleState, policy: Policy, now: float, explaining: bool) -> _Run:
@@ -233,6 +238,15 @@ class _Run:
         return [t for t in present if t in job.accelerator_types]
 
     def _admit(self, job: JobRequest) -> list[Admission] | Miss:
+        key = (job.tenant, job.accelerator_types, job.total_accelerators)
+        known = self._verdicts.get(key)
+        if known is not None and known[0] == self.quota.version:
+            return known[1]
+        verdict = self._admit_afresh(job)
+        self._verdicts[key] = (self.quota.version, verdict)
+        return verdict
+
+    def _admit_afresh(self, job: JobRequest) -> list[Admission] | Miss:
         wanted = self._wanted_types(job)
         if not wanted or job.accelerators <= 0:
             # Nothing to charge (no such type here, or no accelerator asked): placement explains.
@@ -246,19 +260,24 @@ class _Run:
         return next(v for v in verdicts if isinstance(v, Miss))
 
     def _place(self, job: JobRequest, admissions: list[Admission]) -> Allocation | Miss:
-        target = job
-        if len(admissions) < len(self._wanted_types(job)):
+        shape = shape_of(job)
+        restricted = len(admissions) < len(self._wanted_types(job))
+        if restricted:
             # Quota rules out some acceptable types: search only where the tenant may run.
-            target = replace(job, accelerator_types=tuple(a.accelerator_type for a in admissions))
-        blocked = frozenset(
-            r.number
-            for r in self.reservations
-            if r.job_id != job.job_id and not may_backfill(job, r, self.now)
+            shape = shape._replace(accelerator_types=tuple(a.accelerator_type for a in admissions))
+        blocked = (
+            frozenset(
+                r.number
+                for r in self.reservations
+                if r.job_id != job.job_id and not may_backfill(job, r, self.now)
+            )
+            if self.reservations
+            else frozenset()
         )
-        shape = shape_of(target)
         outcome = self.memo.get((shape, blocked))
         if outcome is not None:
             return outcome
+        target = replace(job, accelerator_types=shape.accelerator_types) if restricted else job
         prefs = self.policy.placement
         if job.total_accelerators > self.free_total + EPS:
             # Cheap when the fleet is full: skip the search, keep the precise explanation.

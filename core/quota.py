@@ -27,6 +27,8 @@ class QuotaBook:
     # What each tenant's cohort can lend it, per type, until the next charge changes it.
     _lendable: dict[tuple[str, str], float] = field(default_factory=dict)
     _members: dict[str, tuple[TenantPolicy, ...]] = field(default_factory=dict)
+    # Moves on with every charge: an answer of `admit` holds while it stays the same.
+    version: int = 0
 
     @classmethod
     def build(cls, running: Iterable[tuple[Allocation, str]], policy: Policy) -> QuotaBook:
@@ -40,6 +42,7 @@ class QuotaBook:
         key = (tenant, accelerator_type)
         self.used[key] = self.used.get(key, 0.0) + amount
         self._lendable.clear()
+        self.version += 1
 
     def admit(self, tenant: TenantId, accelerator_type: str, amount: float) -> Admission | Miss:
         tp = self.policy.tenant(tenant)

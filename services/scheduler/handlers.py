@@ -27,12 +27,14 @@ from schemas.events import (
 )
 from schemas.health import NodeRecovered, NodeUnhealthy
 from schemas.usage import BudgetExceeded
-from services.common.kafka import OutMessage, envelope_for
+from services.common.kafka import OutMessage, decode_key, envelope_for
 from services.scheduler.figures import FleetFigures, TenantFigures
 from services.scheduler.state import SchedulerState
 
 log = structlog.get_logger()
 PRODUCER = "scheduler"
+# The header a leader's placement carries its envelope's event id in (see `_own`).
+OWN_HEADER = "event_id"
 # Queue waits run from a moment (an idle fleet) to days (a big gang on a busy one).
 WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
 
@@ -263,6 +265,8 @@ def apply_records(
     state cannot apply, is skipped (logged, counted) and never stops the records after it.
     Dead-lettering is the owning consumers' job (every one of these topics has one)."""
     for record in records:
+        if state.own and record.topic == topics.PLACEMENT_DECIDED and _own(state, record):
+            continue
         try:
             env = parse_envelope(record.value or b"")
             _apply(state, record, env)
@@ -283,6 +287,22 @@ def apply_records(
                 partition=record.partition,
                 offset=record.offset,
             )
+
+
+def _own(state: SchedulerState, record: ConsumerRecord[Any, Any]) -> bool:
+    """Whether the record is one of this leader's placements, read back: its event id (in
+    the OWN_HEADER header) is one the leader applied for the job of the record's key. A record
+    that only claims to be (a forged header) is passed by only where the real one, same event
+    and job, was applied: nothing is lost by not reading it."""
+    for name, value in record.headers or ():
+        if name != OWN_HEADER:
+            continue
+        event_id = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        if state.own.get(event_id) != decode_key(record):
+            return False
+        del state.own[event_id]
+        return True
+    return False
 
 
 def _apply(state: SchedulerState, record: ConsumerRecord[Any, Any], env: Envelope) -> None:

@@ -66,6 +66,8 @@ class Decider(Protocol):
         still_leading: Callable[[], Awaitable[bool]] | None = None,
     ) -> int: ...
 
+    def explanation_due(self, now: float) -> bool: ...
+
 
 @dataclass
 class Backoff:
@@ -160,7 +162,8 @@ class Leadership:
         if state.wake_due(time.time()):
             state.dirty = True  # a backoff or a protection ran out
         now = time.monotonic()
-        if state.dirty or now - self.last_cycle >= self.settings.idle_cycle_s:
+        due = state.dirty or self.cycle.explanation_due(time.time())
+        if due or now - self.last_cycle >= self.settings.idle_cycle_s:
             if not await self._cycle():
                 return
             self.last_cycle = now

@@ -37,6 +37,8 @@ DECLINED_PROTECTION_S = 30.0
 REFUSAL_BACKOFF_S = 0.5
 REFUSAL_BACKOFF_CAP_S = 30.0
 STALE_EPOCH = "stale_epoch"  # the executor's reason for a deposed leader's placement
+# Own placements noted beyond twice the running jobs before the stale ones go (see note_own).
+OWN_SLACK = 1000
 
 
 class Tracked(dict[JobId, _V]):
@@ -168,6 +170,19 @@ class SchedulerState:
     # (core/service.py) order by. Both come from the `ran_s` of the events that end runs.
     served: dict[JobId, tuple[frozenset[int], float]] = field(default_factory=dict)
     history: ServiceHistory = field(default_factory=ServiceHistory)
+    # This leader's own placements, applied when the broker acknowledged them (Cycle.apply):
+    # event id -> job id. Reading one back changes nothing, so the feed passes it by unparsed
+    # (handlers.apply_records); one the feed read before the cycle applied it stays here.
+    own: dict[str, str] = field(default_factory=dict)
+
+    def note_own(self, event_id: str, job_id: str) -> None:
+        """Notes a placement this leader applied; entries of jobs no longer running go once
+        they outnumber the running jobs (their records are parsed if they come, as a
+        standby's are), so the map stays about as large as the running jobs."""
+        self.own[event_id] = job_id
+        if len(self.own) > 2 * len(self.running) + OWN_SLACK:
+            running = self.running
+            self.own = {e: j for e, j in self.own.items() if j in running}
 
     def __post_init__(self) -> None:
         for name in ("pending", "running", "held"):

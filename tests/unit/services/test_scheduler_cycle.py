@@ -10,10 +10,12 @@ import asyncio
 import copy
 import json
 from dataclasses import fields
+from dataclasses import replace as dataclass_replace
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaTimeoutError, RequestTimedOutError
 from faststream.kafka import KafkaBroker
 from prometheus_client import CollectorRegistry
@@ -27,10 +29,11 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
 )
-from services.scheduler.cycle import Cycle
+from services.common.kafka import OutMessage
+from services.scheduler.cycle import EXPLAIN_ALWAYS_UP_TO, EXPLAIN_GAP_S, Cycle
 from services.scheduler.errors import PublishFailed
-from services.scheduler.handlers import SchedulerMetrics
-from services.scheduler.state import SchedulerState
+from services.scheduler.handlers import OWN_HEADER, SchedulerMetrics, apply_records
+from services.scheduler.state import OWN_SLACK, SchedulerState
 from tests.unit.services.builders import checked
 from tests.unit.services.test_scheduler_preemption import (
     NOW,
@@ -313,3 +316,105 @@ def test_work_waiting_for_capacity_alone_goes_out_as_demand_when_it_changes() ->
     cycle.apply(decisions, [None] * len(decisions.messages()))
     assert cycle.decide(epoch=4, now=NOW + 1).demand is None
     assert cycle.decide(epoch=4, now=NOW + 16).demand is not None
+
+
+def test_with_many_waiting_a_cycle_explains_them_at_most_every_gap() -> None:
+    """Past EXPLAIN_ALWAYS_UP_TO waiting jobs, a cycle inside EXPLAIN_GAP_S of the last one
+    that explained decides the same (the core's fast path) and explains nothing; the next one
+    after the gap explains, the jobs that came meanwhile too."""
+    waiting = [f"w{i:04d}" for i in range(EXPLAIN_ALWAYS_UP_TO + 2)]
+    state = fleet_with(1, *waiting)  # one 8-accelerator node: one job of 8 at a time
+    cycle, _ = cycle_on(state, None)
+    first = cycle.decide(epoch=1, now=NOW)
+    assert [e.job_id for _, e in first.placements] == ["w0000"]
+    assert len(first.explained) == EXPLAIN_ALWAYS_UP_TO and first.demand is not None
+    cycle.apply(first, [None] * len(first.messages()))
+    assert not cycle.explanation_due(NOW)
+
+    state.on_finished(JobFinished(job_id="w0000", outcome=Outcome.SUCCEEDED, attempt=1))
+    state.on_queued(queued("z-late"))
+    second = cycle.decide(epoch=1, now=NOW + EXPLAIN_GAP_S / 2)
+    assert [e.job_id for _, e in second.placements] == ["w0001"]  # decided all the same
+    assert second.explained == () and second.demand is None
+    assert second.pending is first.pending  # the figures keep the last explanation
+    cycle.apply(second, [None] * len(second.messages()))
+    assert not cycle.explanation_due(NOW + EXPLAIN_GAP_S / 2)
+    assert cycle.explanation_due(NOW + EXPLAIN_GAP_S)
+
+    third = cycle.decide(epoch=1, now=NOW + EXPLAIN_GAP_S)
+    assert third.placements == ()
+    assert "z-late" in {job_id for _, job_id, _ in third.explained}
+    assert "z-late" in third.pending and "w0001" not in third.pending
+    assert not cycle.explanation_due(NOW + EXPLAIN_GAP_S)
+
+
+def test_with_few_waiting_every_cycle_explains() -> None:
+    state = fleet_with(1, "j1", "j2")
+    cycle, _ = cycle_on(state, None)
+    first = cycle.decide(epoch=1, now=NOW)
+    cycle.apply(first, [None] * len(first.messages()))
+    state.on_queued(queued("j3"))
+    second = cycle.decide(epoch=1, now=NOW + 0.01)
+    assert {job_id for _, job_id, _ in second.explained} == {"j3"}
+    assert not cycle.explanation_due(NOW + 0.01)
+
+
+def read_back(message: OutMessage, value: bytes | None = None) -> ConsumerRecord[Any, Any]:
+    """The record the feed reads for a published message (its body replaced by `value`)."""
+    topic, key, body, headers, _ = message.wire()
+    body = body if value is None else value
+    wire_headers = [(name, text.encode()) for name, text in headers]
+    return ConsumerRecord(topic, 0, 0, 0, 0, key.encode(), body, None, 0, len(body), wire_headers)
+
+
+def test_the_leader_passes_its_own_placements_by_unparsed_when_read_back() -> None:
+    state = fleet_with(2, "j1", "j2")
+    cycle, _ = cycle_on(state, None)
+    decisions = cycle.decide(epoch=1, now=NOW)
+    cycle.apply(decisions, [None] * len(decisions.messages()))
+    placed = [message for message, _ in decisions.placements]
+    assert len(placed) == 2 and len(state.own) == 2
+    running = dict(state.running)
+    registry = CollectorRegistry()
+    # Unparsed: bodies that could not be parsed go by without a word, and change nothing.
+    apply_records(state, [read_back(m, b"\xff") for m in placed], SchedulerMetrics(registry))
+    assert registry.get_sample_value("qm_scheduler_bad_records_total") == 0
+    assert state.own == {} and state.running == running
+    # Read back a second time (a redelivery): parsed, and still changes nothing.
+    apply_records(state, [read_back(m) for m in placed], SchedulerMetrics(CollectorRegistry()))
+    assert state.running == running
+
+
+def test_a_placement_that_only_claims_to_be_the_leaders_own_is_read() -> None:
+    state = fleet_with(2, "j1", "j2")
+    cycle, _ = cycle_on(state, None)
+    decisions = cycle.decide(epoch=1, now=NOW)
+    cycle.apply(decisions, [None] * len(decisions.messages()))
+    (first, _), (second, _) = decisions.placements
+    own = dict(state.own)
+    forged = [
+        # An event id the leader never sent.
+        replace_header(read_back(first, b"\xff"), "not-ours"),
+        # One of ours, on the record of another job.
+        rekey(read_back(first, b"\xff"), second.key),
+    ]
+    registry = CollectorRegistry()
+    apply_records(state, forged, SchedulerMetrics(registry))
+    assert registry.get_sample_value("qm_scheduler_bad_records_total") == 2  # both parsed
+    assert state.own == own
+
+
+def replace_header(record: ConsumerRecord[Any, Any], event_id: str) -> ConsumerRecord[Any, Any]:
+    headers = [(n, event_id.encode() if n == OWN_HEADER else v) for n, v in record.headers]
+    return dataclass_replace(record, headers=headers)
+
+
+def rekey(record: ConsumerRecord[Any, Any], key: str) -> ConsumerRecord[Any, Any]:
+    return dataclass_replace(record, key=key.encode())
+
+
+def test_own_placements_never_read_back_do_not_pile_up() -> None:
+    state = fleet_with(1)
+    for i in range(3 * OWN_SLACK):
+        state.note_own(f"e{i}", f"gone-{i}")  # their jobs no longer run
+    assert len(state.own) <= OWN_SLACK + 1

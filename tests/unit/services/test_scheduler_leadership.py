@@ -114,6 +114,10 @@ class ScriptedCycle:
         self.journal = journal
         self.errors = errors
         self.epochs: list[int] = []
+        self.owed = False  # an explanation is owed (see Cycle.explanation_due)
+
+    def explanation_due(self, now: float) -> bool:
+        return self.owed
 
     async def run_once(
         self,
@@ -121,6 +125,7 @@ class ScriptedCycle:
         now: float | None = None,
         still_leading: Callable[[], Awaitable[bool]] | None = None,
     ) -> int:
+        self.owed = False
         self.epochs.append(epoch)
         self.journal.append("cycle")
         if still_leading is not None:
@@ -346,3 +351,18 @@ async def test_a_standby_polls_slowly_and_a_leader_fast() -> None:
     # Batches are gathered while standing by; a leader's new work never is.
     assert feed.lingers[0] == (settings.standby_linger_ms, None)
     assert feed.lingers[-1] == (0, settings.cold_linger_ms)
+
+
+async def test_an_explanation_owed_is_reason_enough_for_a_cycle() -> None:
+    """With thousands waiting a cycle may decide without explaining them (EXPLAIN_GAP_S in
+    services/scheduler/cycle.py); once that is due the leader runs a cycle for it, though
+    nothing changed and the idle cycle is seconds away."""
+    rig = Rig([])
+    await rig.leadership.step()  # takes over and decides (a new state is dirty)
+    assert rig.cycles() == 1
+    rig.state.dirty = False
+    await rig.leadership.step()
+    assert rig.cycles() == 1  # nothing changed, nothing owed
+    rig.cycle.owed = True
+    await rig.leadership.step()
+    assert rig.cycles() == 2 and not rig.cycle.owed

@@ -25,7 +25,7 @@ from tests.unit.services.test_scheduler_working_set import STEP, World, play
 
 MARKS = {("job.queued", 0): (12, 1_700_000_000_000, 321), ("job.finished", 3): (4, 17, 99)}
 # Bookkeeping of the process, not of the log: not in a snapshot.
-LOCAL = {"touched", "dirty", "fleet_version"}
+LOCAL = {"touched", "dirty", "fleet_version", "own"}
 
 
 def restored(state: SchedulerState) -> SchedulerState:
