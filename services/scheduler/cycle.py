@@ -332,9 +332,8 @@ class Cycle:
         if event.attempt != 1 or queued is None:
             return
         spec = event.spec
-        self.metrics.queue_wait.labels(spec.tenant, spec.queue, spec.priority_class).observe(
-            max(0.0, at - queued.submitted_at.timestamp())
-        )
+        waited = max(0.0, at - queued.submitted_at.timestamp())
+        self.metrics.waited(spec.tenant, spec.queue, spec.priority_class, waited)
 
     def show_figures(self, decisions: Decisions) -> None:
         """The leader's gauges (figures.py), at most every FIGURES_EVERY_S: they walk every
