@@ -9,7 +9,13 @@ import asyncpg
 
 
 async def create_pool(url: str, size: int = 4) -> asyncpg.Pool:
-    pool = await asyncpg.create_pool(url, min_size=1, max_size=size, command_timeout=30)
+    pool = await asyncpg.create_pool(
+        url,
+        min_size=1,
+        max_size=size,
+        command_timeout=30,
+        server_settings={"plan_cache_mode": "force_custom_plan"},
+    )
     assert pool is not None
     return pool
 
