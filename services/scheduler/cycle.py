@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -83,11 +84,15 @@ EXPLAIN_PER_CYCLE = 500
 # Explaining goes through every waiting job, and a cycle under a burst has thousands (measured
 # on the dev fleet with 3,000 waiting and 624 placed per cycle: decide 270 ms explaining, 220
 # without). With more than EXPLAIN_ALWAYS_UP_TO waiting, a cycle explains only when
-# EXPLAIN_GAP_S (wall seconds) has passed since the last one did; the others decide on the
-# core's fast path, which makes the same decisions (tests/unit/core/test_fast_path.py). What
-# goes out from explanations (reasons, the capacity demand) is at most that much later.
+# EXPLAIN_GAP_S (wall seconds) has passed since the last one that did; the others decide on
+# the core's fast path, which makes the same decisions (tests/unit/core/test_fast_path.py,
+# tests/unit/services/test_scheduler_working_set.py). What goes out from explanations (the
+# reasons, the capacity demand, the pending-by-reason gauges) is at most that much later; an
+# explaining cycle then tells EXPLAIN_PER_CYCLE jobs for itself and for each cycle since the
+# last one that explained, up to EXPLAIN_MOST (so the rate at which reasons go out holds).
 EXPLAIN_ALWAYS_UP_TO = 500
 EXPLAIN_GAP_S = 1.0
+EXPLAIN_MOST = 2000
 
 # What a pending job was last told: its reason codes, the sentence, and when (wall time).
 Told = tuple[tuple[str, ...], str, float]
@@ -128,8 +133,10 @@ class Decisions:
     explained: tuple[tuple[OutMessage, JobId, Told], ...] = ()
     # The pending work waiting for capacity, when it changed or is due again (last).
     demand: tuple[OutMessage, tuple[object, ...]] | None = None
-    # Why each pending job waits, as the core (and the backoffs) explained it this cycle.
+    # Why each pending job waits, as the core (and the backoffs) explained it this cycle, or,
+    # when it did not explain (`explaining` False: the fast path), as the last one that did.
     pending: Mapping[JobId, PendingExplanation] = field(default_factory=dict)
+    explaining: bool = True
 
     def messages(self) -> list[OutMessage]:
         return (
@@ -174,11 +181,15 @@ class Cycle:
         # object while they hold, so the working set is rebuilt only when they change.
         self._weighted: tuple[tuple[str, tuple[tuple[str, float], ...]], Policy] | None = None
         self.figures_at = float("-inf")  # when show_figures last set the gauges (wall time)
-        # When a cycle last explained the waiting jobs (wall time), what it found, and whether
-        # a cycle since decided without explaining (an explanation is owed).
+        # When a cycle whose explanations were applied last explained the waiting jobs (wall
+        # time), what it found, and how many cycles applied since decided without (owed).
         self.explained_at = float("-inf")
         self.explained: Mapping[JobId, PendingExplanation] = {}
-        self.owed = False
+        self.owed = 0
+        self.explain_always_up_to = EXPLAIN_ALWAYS_UP_TO
+        self.explain_gap_s = EXPLAIN_GAP_S
+        # The pending-by-reason figures of the last explaining cycle (fast ones keep them).
+        self.by_reason: Counter[tuple[str, str]] | None = None
 
     async def run_once(
         self,
@@ -235,7 +246,6 @@ class Cycle:
         requests = [
             r for decision in result.preemptions for r in self._preemptions(decision, policy, epoch)
         ]
-        self.owed = not explaining
         if not explaining:
             return Decisions(
                 epoch=epoch,
@@ -243,16 +253,17 @@ class Cycle:
                 placements=tuple(placements),
                 requests=tuple(requests),
                 pending=self.explained,
+                explaining=False,
             )
         pending = dict(result.pending)
         pending.update(self._backoffs(now))
-        self.explained_at, self.explained = now, pending
+        limit = min(EXPLAIN_PER_CYCLE * (1 + self.owed), EXPLAIN_MOST)
         return Decisions(
             epoch=epoch,
             at=now,
             placements=tuple(placements),
             requests=tuple(requests),
-            explained=tuple(self._explanations(pending, now)),
+            explained=tuple(self._explanations(pending, now, limit)),
             demand=self._demand(pending, epoch, now),
             pending=pending,
         )
@@ -260,14 +271,14 @@ class Cycle:
     def explaining(self, now: float) -> bool:
         """Whether a cycle at `now` explains the waiting jobs (see EXPLAIN_GAP_S)."""
         return (
-            len(self.state.pending) <= EXPLAIN_ALWAYS_UP_TO
-            or not 0 <= now - self.explained_at < EXPLAIN_GAP_S
+            len(self.state.pending) <= self.explain_always_up_to
+            or not 0 <= now - self.explained_at < self.explain_gap_s
         )
 
     def explanation_due(self, now: float) -> bool:
         """Whether a cycle should run for the explanations alone: one since the last
         explaining cycle decided without them, and the gap has passed."""
-        return self.owed and self.explaining(now)
+        return self.owed > 0 and self.explaining(now)
 
     async def publish(self, decisions: Decisions) -> list[Outcome]:
         """Send the decisions; the outcome of each message, in `messages()` order."""
@@ -318,6 +329,11 @@ class Cycle:
                 self.told[job_id] = told
         if decisions.demand is not None and ok[told_end:] == [True]:
             self.demand_sent = (decisions.demand[1], decisions.at)
+        if not decisions.explaining:
+            self.owed += 1
+        elif all(ok[ends[1] :]):
+            # What was told is out: the next explanation is due a gap from now.
+            self.explained_at, self.explained, self.owed = decisions.at, decisions.pending, 0
         for job_id in [j for j in self.told if j not in state.pending]:
             del self.told[job_id]
         self.metrics.placed.inc(placed)
@@ -345,9 +361,11 @@ class Cycle:
             return
         self.figures_at = decisions.at
         try:
+            if decisions.explaining or self.by_reason is None:
+                self.by_reason = figures.pending_by_reason(self.state, decisions.pending)
             self.metrics.show(
                 figures.jobs_by_state(self.state, decisions.at),
-                figures.pending_by_reason(self.state, decisions.pending),
+                self.by_reason,
                 figures.tenant_figures(working, self._policy_for(decisions.at)),
                 figures.fleet_figures(working.cap),
             )
@@ -399,8 +417,9 @@ class Cycle:
             accelerator_type=node.accelerator.type,
         )
         env = envelope_for("PlacementDecided", event, producer=PRODUCER, tenant=alloc.job.tenant)
-        # Executors skip other clusters' placements by this header, unparsed, and the leader
-        # its own read back by the other (handlers._own).
+        # Executors skip other clusters' placements by the `cluster` header, unparsed; by
+        # `event_id` the leader knows its own placements when it reads them back and passes
+        # them by unparsed (handlers._own).
         headers = (("cluster", str(alloc.cluster)), (OWN_HEADER, env.event_id))
         message = OutMessage(topics.PLACEMENT_DECIDED, job_id, env, headers=headers)
         return message, event
@@ -528,15 +547,15 @@ class Cycle:
         return OutMessage(topics.CAPACITY_DEMAND, self.leader, env), signature
 
     def _explanations(
-        self, pending: Mapping[JobId, PendingExplanation], now: float
+        self, pending: Mapping[JobId, PendingExplanation], now: float, limit: int
     ) -> list[tuple[OutMessage, JobId, Told]]:
         """A job's reason goes out when its codes change; a changed sentence with the same
         codes (e.g. "behind 12 jobs" becoming "behind 11") at most every EXPLAIN_EVERY_S; and
-        at most EXPLAIN_PER_CYCLE in one cycle (see `worth_telling`). Each message comes with
+        at most `limit` in one cycle (see `worth_telling`). Each message comes with
         what its job will have been told once it is out."""
         out = []
         current = {j: why for j, why in pending.items() if j in self.state.pending}
-        for job_id in worth_telling(current, self.told, now):
+        for job_id in worth_telling(current, self.told, now, limit):
             why = current[job_id]
             codes = tuple(str(c) for c in why.codes)
             event = PendingExplained(

@@ -172,13 +172,15 @@ class SchedulerState:
     history: ServiceHistory = field(default_factory=ServiceHistory)
     # This leader's own placements, applied when the broker acknowledged them (Cycle.apply):
     # event id -> job id. Reading one back changes nothing, so the feed passes it by unparsed
-    # (handlers.apply_records); one the feed read before the cycle applied it stays here.
+    # (handlers.apply_records) and drops its note. A placement the feed read before the cycle
+    # applied it (the feed runs while the cycle awaits acknowledgements) keeps its note.
     own: dict[str, str] = field(default_factory=dict)
 
     def note_own(self, event_id: str, job_id: str) -> None:
-        """Notes a placement this leader applied; entries of jobs no longer running go once
-        they outnumber the running jobs (their records are parsed if they come, as a
-        standby's are), so the map stays about as large as the running jobs."""
+        """Notes a placement this leader applied. Past 2 x the running jobs + OWN_SLACK
+        notes, those of jobs no longer running go (a record of theirs that still comes is
+        parsed, as a standby's is): the map stays within about twice the running jobs, and
+        the sweep costs O(1) per note over time."""
         self.own[event_id] = job_id
         if len(self.own) > 2 * len(self.running) + OWN_SLACK:
             running = self.running

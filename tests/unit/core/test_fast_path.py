@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.cycle import CycleState, decide, schedule
+from core.cycle import CycleState, _Run, decide, schedule
 from core.model import JobId, Node, NodeId, Snapshot
 from core.policy import Backfill, BackfillMode, OrderingMode, Policy
 from core.reasons import ReasonCode
@@ -96,6 +97,10 @@ def test_fast_path_decides_exactly_like_the_explaining_cycle(name: str, snap: Sn
     assert fast.placements == full.placements
     assert fast.preemptions == full.preemptions
     assert fast.pending == {}
+    # And both as they were before quota's verdicts were kept within a cycle.
+    with patch.object(_Run, "_admit", _Run._admit_afresh):
+        afresh = decide(CycleState.from_snapshot(snap, pol), pol, 100.0, explain_pending=True)
+    assert afresh == full
 
 
 def test_holds_last_one_cycle_on_a_long_lived_state() -> None:

@@ -29,8 +29,13 @@ from schemas.events import (
     PlacementDecided,
     PlacementRefused,
 )
-from services.common.kafka import OutMessage
-from services.scheduler.cycle import EXPLAIN_ALWAYS_UP_TO, EXPLAIN_GAP_S, Cycle
+from services.scheduler.cycle import (
+    EXPLAIN_ALWAYS_UP_TO,
+    EXPLAIN_GAP_S,
+    EXPLAIN_MOST,
+    EXPLAIN_PER_CYCLE,
+    Cycle,
+)
 from services.scheduler.errors import PublishFailed
 from services.scheduler.handlers import OWN_HEADER, SchedulerMetrics, apply_records
 from services.scheduler.state import OWN_SLACK, SchedulerState
@@ -46,6 +51,7 @@ from tests.unit.services.test_scheduler_preemption import (
 )
 from tests.unit.services.test_scheduler_preemption import broker as broker
 from tests.unit.services.test_scheduler_state import capacity
+from tests.unit.services.test_scheduler_working_set import record_of
 
 
 class BrokerAway:
@@ -327,7 +333,7 @@ def test_with_many_waiting_a_cycle_explains_them_at_most_every_gap() -> None:
     cycle, _ = cycle_on(state, None)
     first = cycle.decide(epoch=1, now=NOW)
     assert [e.job_id for _, e in first.placements] == ["w0000"]
-    assert len(first.explained) == EXPLAIN_ALWAYS_UP_TO and first.demand is not None
+    assert len(first.explained) == EXPLAIN_PER_CYCLE and first.demand is not None
     cycle.apply(first, [None] * len(first.messages()))
     assert not cycle.explanation_due(NOW)
 
@@ -345,7 +351,10 @@ def test_with_many_waiting_a_cycle_explains_them_at_most_every_gap() -> None:
     assert third.placements == ()
     assert "z-late" in {job_id for _, job_id, _ in third.explained}
     assert "z-late" in third.pending and "w0001" not in third.pending
+    assert cycle.explanation_due(NOW + EXPLAIN_GAP_S)  # owed until its messages are out
+    cycle.apply(third, [None] * len(third.messages()))
     assert not cycle.explanation_due(NOW + EXPLAIN_GAP_S)
+    assert not cycle.explaining(NOW + EXPLAIN_GAP_S * 1.5)
 
 
 def test_with_few_waiting_every_cycle_explains() -> None:
@@ -359,14 +368,6 @@ def test_with_few_waiting_every_cycle_explains() -> None:
     assert not cycle.explanation_due(NOW + 0.01)
 
 
-def read_back(message: OutMessage, value: bytes | None = None) -> ConsumerRecord[Any, Any]:
-    """The record the feed reads for a published message (its body replaced by `value`)."""
-    topic, key, body, headers, _ = message.wire()
-    body = body if value is None else value
-    wire_headers = [(name, text.encode()) for name, text in headers]
-    return ConsumerRecord(topic, 0, 0, 0, 0, key.encode(), body, None, 0, len(body), wire_headers)
-
-
 def test_the_leader_passes_its_own_placements_by_unparsed_when_read_back() -> None:
     state = fleet_with(2, "j1", "j2")
     cycle, _ = cycle_on(state, None)
@@ -377,11 +378,11 @@ def test_the_leader_passes_its_own_placements_by_unparsed_when_read_back() -> No
     running = dict(state.running)
     registry = CollectorRegistry()
     # Unparsed: bodies that could not be parsed go by without a word, and change nothing.
-    apply_records(state, [read_back(m, b"\xff") for m in placed], SchedulerMetrics(registry))
+    apply_records(state, [record_of(m, b"\xff") for m in placed], SchedulerMetrics(registry))
     assert registry.get_sample_value("qm_scheduler_bad_records_total") == 0
     assert state.own == {} and state.running == running
     # Read back a second time (a redelivery): parsed, and still changes nothing.
-    apply_records(state, [read_back(m) for m in placed], SchedulerMetrics(CollectorRegistry()))
+    apply_records(state, [record_of(m) for m in placed], SchedulerMetrics(CollectorRegistry()))
     assert state.running == running
 
 
@@ -394,9 +395,9 @@ def test_a_placement_that_only_claims_to_be_the_leaders_own_is_read() -> None:
     own = dict(state.own)
     forged = [
         # An event id the leader never sent.
-        replace_header(read_back(first, b"\xff"), "not-ours"),
+        replace_header(record_of(first, b"\xff"), "not-ours"),
         # One of ours, on the record of another job.
-        rekey(read_back(first, b"\xff"), second.key),
+        rekey(record_of(first, b"\xff"), second.key),
     ]
     registry = CollectorRegistry()
     apply_records(state, forged, SchedulerMetrics(registry))
@@ -418,3 +419,25 @@ def test_own_placements_never_read_back_do_not_pile_up() -> None:
     for i in range(3 * OWN_SLACK):
         state.note_own(f"e{i}", f"gone-{i}")  # their jobs no longer run
     assert len(state.own) <= OWN_SLACK + 1
+
+
+def test_an_explaining_cycle_tells_more_for_the_cycles_that_did_not() -> None:
+    """Reasons go out at the rate they did when every cycle explained: EXPLAIN_PER_CYCLE for
+    each cycle since the last explaining one, up to EXPLAIN_MOST."""
+    waiting = [f"w{i:05d}" for i in range(3 * EXPLAIN_MOST)]
+    state = fleet_with(0, *waiting)  # no room: nothing is placed, everything waits
+    cycle, _ = cycle_on(state, None)
+    first = cycle.decide(epoch=1, now=NOW)
+    assert len(first.explained) == EXPLAIN_PER_CYCLE
+    cycle.apply(first, [None] * len(first.messages()))
+    for i in range(1, 3):  # two cycles on the fast path
+        fast = cycle.decide(epoch=1, now=NOW + i * EXPLAIN_GAP_S / 4)
+        assert fast.explained == ()
+        cycle.apply(fast, [None] * len(fast.messages()))
+    due = cycle.decide(epoch=1, now=NOW + EXPLAIN_GAP_S)
+    assert len(due.explained) == 3 * EXPLAIN_PER_CYCLE
+    cycle.apply(due, [None] * len(due.messages()))
+    for i in range(1, 9):
+        cycle.apply(cycle.decide(epoch=1, now=NOW + EXPLAIN_GAP_S * (1 + i / 10)), [])
+    most = cycle.decide(epoch=1, now=NOW + 2 * EXPLAIN_GAP_S)
+    assert len(most.explained) == EXPLAIN_MOST  # not 9 x EXPLAIN_PER_CYCLE

@@ -6,11 +6,12 @@ difference), and the kept state is what the next cycle decides on."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from aiokafka import ConsumerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -34,8 +35,9 @@ from schemas.events import (
     RunFailed,
 )
 from schemas.usage import BudgetExceeded
-from services.scheduler.cycle import Cycle
-from services.scheduler.handlers import SchedulerMetrics
+from services.common.kafka import OutMessage
+from services.scheduler.cycle import Cycle, Decisions
+from services.scheduler.handlers import SchedulerMetrics, apply_records
 from services.scheduler.state import SchedulerState
 from services.scheduler.working import WorkingSet, differences
 from tests.unit.services.builders import checked, spec
@@ -100,6 +102,14 @@ def queued(
     )
 
 
+def record_of(message: OutMessage, value: bytes | None = None) -> ConsumerRecord[Any, Any]:
+    """The record the feed reads for a published message (its body replaced by `value`)."""
+    topic, key, body, headers, _ = message.wire()
+    body = body if value is None else value
+    wire_headers = [(name, text.encode()) for name, text in headers]
+    return ConsumerRecord(topic, 0, 0, 0, 0, key.encode(), body, None, 0, len(body), wire_headers)
+
+
 class Acks:
     """A broker double for `Cycle.apply`: which messages of a cycle were acknowledged."""
 
@@ -137,17 +147,54 @@ class World:
         self.now = NOW
         self.jobs = 0
         self.queued: dict[str, JobQueued] = {}
+        # Our placements in the log not read back yet: acknowledged ones, and during a publish
+        # the cycle's own (the broker may have them before the cycle applies them).
+        self.published: list[OutMessage] = []
+        self.in_flight: list[OutMessage] = []
+        self.parse_own = False  # read our placements back parsed, as if none were noted
+        # Every applied cycle's placements (job, attempt, nodes and devices) and requests.
+        self.decided: list[tuple[tuple[Any, ...], tuple[Any, ...]]] = []
+        self.explaining = 0  # applied cycles that explained
 
     def run_cycle(self) -> None:
         decisions = self.cycle.decide(epoch=1, now=self.now)
-        self.cycle.apply(decisions, self.acks.outcomes(len(decisions.messages())))
+        self.apply(decisions, [])
 
     def cycle_with_events_during_publish(self, steps: list[tuple[Any, ...]]) -> None:
         """Decide, let the feed apply `steps` while the publish is awaited, then apply what
         the broker acknowledged (as `Cycle.run_once` does)."""
         decisions = self.cycle.decide(epoch=1, now=self.now)
+        self.in_flight = [m for m, _ in decisions.placements]
+        sent = list(self.in_flight)
         play(self, [s for s in steps if s[0] not in ("cycle", "publish_gap", "lost_lease")])
-        self.cycle.apply(decisions, self.acks.outcomes(len(decisions.messages())))
+        read = [m for m in sent if m not in self.in_flight]  # by the feed, during the publish
+        self.in_flight = []
+        self.apply(decisions, read)
+
+    def apply(self, decisions: Decisions, read: list[OutMessage]) -> None:
+        outcomes = self.acks.outcomes(len(decisions.messages()))
+        self.cycle.apply(decisions, outcomes)
+        self.explaining += decisions.explaining
+        placed = zip(decisions.placements, outcomes[: len(decisions.placements)], strict=True)
+        self.published += [m for (m, _), out in placed if out is None and m not in read]
+        self.decided.append(
+            (
+                tuple(
+                    (e.job_id, e.attempt, tuple((r.node_id, tuple(r.devices)) for r in e.replicas))
+                    for _, e in decisions.placements
+                ),
+                tuple((r.job_id, r.for_job) for _, r in decisions.requests),
+            )
+        )
+
+    def read_back(self) -> None:
+        """The feed reading our placements from the log (the leader passes by the ones it
+        noted as its own, unless `parse_own`)."""
+        if self.parse_own:
+            self.state.own.clear()
+        records = [record_of(m) for m in self.published + self.in_flight]
+        self.published, self.in_flight = [], []
+        apply_records(self.state, records, self.cycle.metrics)
 
     def cycle_losing_the_lease(self) -> None:
         """Decided, then dropped unpublished (the lease ran out during the cycle)."""
@@ -356,6 +403,7 @@ STEP = st.one_of(
     st.tuples(st.just("wait"), st.sampled_from([1.0, 10.0])),
     st.tuples(st.just("publish_gap"), st.lists(st.deferred(lambda: STEP), max_size=4)),
     st.tuples(st.just("lost_lease")),
+    st.tuples(st.just("read_back")),
     st.tuples(st.just("budget"), st.sampled_from(["vision", "nlp"]), st.sampled_from([0.5, 0.25])),
 )
 
@@ -368,6 +416,47 @@ def test_the_kept_working_set_equals_a_rebuilt_one(
     world = World(lose)
     play(world, steps)
     world.run_cycle()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=5, max_size=60))
+def test_cycles_on_the_fast_path_between_explanations_decide_the_same(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """A leader that explains only in its first cycle (and on the fast path after) makes
+    every decision of one that explains in every cycle (services/scheduler/cycle.py,
+    EXPLAIN_GAP_S), on the long-lived working set."""
+    always, seldom = World([]), World([])
+    seldom.cycle.explain_always_up_to = -1  # however few wait
+    seldom.cycle.explain_gap_s = float("inf")
+    for world in (always, seldom):
+        play(world, [*steps, ("cycle",)])
+    assert seldom.decided == always.decided
+    # Not vacuous: after its first, every cycle of `seldom` was on the fast path (a cycle
+    # dropped for a lost lease leaves the explanation owed, so the next one explains).
+    dropped = sum(1 for step in steps if step[0] == "lost_lease")
+    assert seldom.explaining <= 1 + dropped and always.explaining == len(always.decided)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(STEP, min_size=5, max_size=60), lose=st.lists(st.booleans(), max_size=4))
+def test_own_placements_passed_by_unparsed_leave_the_state_as_parsing_them(
+    steps: list[tuple[Any, ...]], lose: list[bool]
+) -> None:
+    skipping, parsing = World(lose), World(lose)
+    parsing.parse_own = True
+    for world in (skipping, parsing):
+        play(world, [*steps, ("read_back",), ("cycle",)])
+    assert skipping.decided == parsing.decided
+    for f in fields(SchedulerState):
+        if f.name not in {"touched", "dirty", "fleet_version", "own", "running"}:
+            assert getattr(skipping.state, f.name) == getattr(parsing.state, f.name), f.name
+    # A placement read during its cycle's publish starts at its envelope's time, the wall
+    # clock's when each world built it: the one thing not compared.
+    ours, theirs = skipping.state.running, parsing.state.running
+    assert ours.keys() == theirs.keys()
+    for job_id, alloc in ours.items():
+        assert replace(alloc, start_time=0.0) == replace(theirs[job_id], start_time=0.0)
 
 
 def play(world: World, steps: list[tuple[Any, ...]]) -> None:
@@ -396,6 +485,8 @@ def play(world: World, steps: list[tuple[Any, ...]]) -> None:
             world.cycle_with_events_during_publish(*args)
         elif kind == "lost_lease":
             world.cycle_losing_the_lease()
+        elif kind == "read_back":
+            world.read_back()
         elif kind == "budget":
             world.budget(*args)
         else:
