@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from core.capacity import Capacity
+from core.capacity import EPS, Capacity
 from core.model import Allocation, JobRequest, TenantId
 from core.policy import Policy
 
@@ -90,11 +90,19 @@ class ShareBook:
         self.past = {t: v / scale for t, v in usage.items()} if lifetime > 0 else {}
 
     def charge(self, job: JobRequest, accelerator_type: str, sign: float = 1.0) -> None:
+        """Adds (or, with `sign` -1, takes back) what `job` holds. What is left of amounts
+        charged and taken back in another order (0.3 + 1.0 - 0.3 - 1.0) is rounding, not
+        use: it is snapped to zero, or a tenant holding nothing would have a share above
+        another's by 1e-16 and go after it, depending on the order jobs left in."""
         mine = self.allocated.setdefault(job.tenant, {})
         work = job.total_accelerators * self.speeds.get(accelerator_type, 1.0)
-        mine[ACCELERATORS] = mine.get(ACCELERATORS, 0.0) + sign * work
-        mine[CPU] = mine.get(CPU, 0.0) + sign * job.replicas * job.cpu
-        mine[MEMORY] = mine.get(MEMORY, 0.0) + sign * job.replicas * job.memory_gb
+        for resource, amount in (
+            (ACCELERATORS, work),
+            (CPU, job.replicas * job.cpu),
+            (MEMORY, job.replicas * job.memory_gb),
+        ):
+            total = mine.get(resource, 0.0) + sign * amount
+            mine[resource] = 0.0 if abs(total) < EPS else total
 
     def rates(self) -> dict[TenantId, float]:
         """Reference accelerators each tenant holds now: what its usage grows by per second."""
