@@ -4,17 +4,14 @@ an outcome per message; a message too large for a batch fails alone."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from aiokafka import AIOKafkaConsumer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 
 from services.common.kafka import MAX_PRODUCER_BATCH, Wire, send_each
 from services.meter.publisher import MAX_REQUEST, BatchPublisher, relay_producer
-from tests.integration.kafka_tools import START_S, STOP_S, bounded
+from tests.integration.kafka_tools import START_S, STOP_S, bounded, fresh_topic
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +38,7 @@ async def read_all(bootstrap: str, topic: str, count: int) -> list[tuple[int, by
 async def test_a_batch_goes_to_the_default_partitions_in_order_with_outcomes(
     topics_ready: str,
 ) -> None:
-    topic = f"publisher-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=topics_ready)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
-    finally:
-        await admin.close()
+    topic = await fresh_topic(topics_ready, "publisher", PARTITIONS)
     producer = relay_producer(topics_ready, "publisher-test")
     await bounded(producer.start(), START_S, "a test producer's start")
     publisher = BatchPublisher(producer)
