@@ -7,6 +7,7 @@ otherwise starts the whole platform as processes in a temporary directory and st
     python bench/e2e_throughput.py                 # defaults: 200/s for 20 s, then 8000 jobs
     python bench/e2e_throughput.py --via rest      # submit over HTTP instead of Kafka
     python bench/e2e_throughput.py --profile DIR   # and py-spy every process during the burst
+    python bench/e2e_throughput.py --profile DIR --profile-phase fixed   # ... at the fixed rate
 
 When the bench starts the stack itself it also reports CPU seconds per 1,000 jobs for every
 process (each service, the broker, PostgreSQL) in both phases, and the cores each keeps busy
@@ -219,6 +220,23 @@ def idle_report(used: dict[str, float], seconds: float) -> dict[str, float]:
     return {**per, "total": total}
 
 
+@contextlib.contextmanager
+def profiling(args: argparse.Namespace, pids: dict[str, int], phase: str) -> Iterator[bool]:
+    """py-spy on every Python process of the stack during `phase`, if that is the phase
+    --profile asked for; yields whether it profiles."""
+    if not args.profile or args.profile_phase != phase:
+        yield False
+        return
+    profiled = {n: p for n, p in pids.items() if is_python(p)}
+    with Profiler(profiled, Path(args.profile)):
+        yield bool(profiled)
+
+
+def write_summary(out_dir: str, cpu: dict[str, float]) -> None:
+    text = print_summary(summarise(Path(out_dir)), cpu)
+    (Path(out_dir) / "summary.txt").write_text(text + "\n")
+
+
 async def measure(
     bootstrap: str, gateway: str | None, args: argparse.Namespace, pids: dict[str, int]
 ) -> dict[str, Any]:
@@ -251,10 +269,13 @@ async def measure(
             fixed: dict[str, float] = {}
             count = int(args.rate * args.seconds)
             meter.start()
-            took = await offer(submitter, args.rate, count, "fixed", fixed)
-            await wait_placed(observer, fixed, 60)
+            with profiling(args, pids, "fixed") as profiled:
+                took = await offer(submitter, args.rate, count, "fixed", fixed)
+                await wait_placed(observer, fixed, 60)
             if pids:
                 cpu["fixed"] = cpu_report("fixed rate", meter.stop(), count)
+            if profiled:
+                write_summary(args.profile, cpu.get("fixed", {}))
             lat = latencies_ms(observer.placed, fixed)
             queued = latencies_ms(observer.queued, fixed)
             print(
@@ -265,17 +286,15 @@ async def measure(
             )
 
             burst: dict[str, float] = {}
-            profiled = {n: p for n, p in pids.items() if is_python(p)} if args.profile else {}
             meter.start()
-            with Profiler(profiled, Path(args.profile or ".")):
+            with profiling(args, pids, "burst") as profiled:
                 t0 = time.perf_counter()
                 await offer(submitter, args.burst_rate, args.burst, "burst", burst)
                 await wait_placed(observer, burst, 300)
             if pids:
                 cpu["burst"] = cpu_report("overload", meter.stop(), args.burst)
             if profiled:
-                text = print_summary(summarise(Path(args.profile)), cpu.get("burst", {}))
-                (Path(args.profile) / "summary.txt").write_text(text + "\n")
+                write_summary(args.profile, cpu.get("burst", {}))
             done = sorted(observer.placed[j] for j in burst if j in observer.placed)
             sustained = sustained_rate(done)
             queued_rate = sustained_rate(
@@ -354,7 +373,13 @@ def main() -> None:
         help="seconds of CPU reading with nothing submitted, after the warm-up (0: none)",
     )
     parser.add_argument(
-        "--profile", metavar="DIR", help="py-spy every service during the overload phase"
+        "--profile", metavar="DIR", help="py-spy every service during one phase (--profile-phase)"
+    )
+    parser.add_argument(
+        "--profile-phase",
+        choices=("burst", "fixed"),
+        default="burst",
+        help="the phase --profile samples: the overload (default) or the fixed rate",
     )
     args = parser.parse_args()
     with platform_urls() as (bootstrap, gateway, where, pids):
