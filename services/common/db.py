@@ -8,6 +8,16 @@ from pathlib import Path
 import asyncpg
 
 
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """A pool's reset on release: nothing beyond what asyncpg always does (roll back an open
+    transaction, drop listeners). asyncpg's default reset sends `SELECT
+    pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL` on every release, a round trip
+    to PostgreSQL per batch of every service for session state no service keeps: statements
+    run in transactions, locks are transaction-scoped, nothing listens or sets a session
+    variable. The one session-level lock, `migrate`'s, is released by `migrate` itself or the
+    connection is closed."""
+
+
 async def create_pool(url: str, size: int = 4) -> asyncpg.Pool:
     pool = await asyncpg.create_pool(
         url,
@@ -15,6 +25,7 @@ async def create_pool(url: str, size: int = 4) -> asyncpg.Pool:
         max_size=size,
         command_timeout=30,
         server_settings={"plan_cache_mode": "force_custom_plan"},
+        reset=keep_session,
     )
     assert pool is not None
     return pool
@@ -53,5 +64,11 @@ async def migrate(pool: asyncpg.Pool, schema: str, directory: Path) -> list[str]
                     )
                 applied.append(name)
         finally:
-            await conn.execute("SELECT pg_advisory_unlock($1)", lock_key)
+            try:
+                await conn.execute("SELECT pg_advisory_unlock($1)", lock_key)
+            except BaseException:
+                # The pool does not reset sessions (keep_session): a connection that may
+                # still hold the lock must not serve anyone else.
+                conn.terminate()
+                raise
     return applied

@@ -57,3 +57,51 @@ async def test_a_default_pool_would_have_kept_a_plan_made_for_the_empty_table(
     finally:
         await pool.close()
     assert generic > 0
+
+
+async def last_statement_of(pool: asyncpg.Pool, watcher: asyncpg.Connection) -> str:
+    """What the pool's one connection last sent PostgreSQL, after it went back to the pool."""
+    async with pool.acquire() as conn:
+        pid = await conn.fetchval("SELECT pg_backend_pid()")
+        await conn.execute("SELECT 'the last statement of the batch'")
+    query = await watcher.fetchval("SELECT query FROM pg_stat_activity WHERE pid = $1", pid)
+    assert isinstance(query, str)
+    return query
+
+
+async def test_a_service_pool_hands_a_connection_back_without_a_reset_round_trip(
+    fresh_database_url: str,
+) -> None:
+    """asyncpg's default reset is one more statement per release; the service pools keep no
+    session state, so they skip it (services/common/db.py, keep_session)."""
+    watcher = await asyncpg.connect(fresh_database_url)
+    plain = await asyncpg.create_pool(fresh_database_url, min_size=1, max_size=1)
+    service = await create_pool(fresh_database_url, size=1)
+    assert plain is not None
+    try:
+        assert "RESET ALL" in await last_statement_of(plain, watcher)
+        assert await last_statement_of(service, watcher) == (
+            "SELECT 'the last statement of the batch'"
+        )
+    finally:
+        await plain.close()
+        await service.close()
+        await watcher.close()
+
+
+async def test_a_transaction_left_open_is_rolled_back_before_the_next_batch_gets_it(
+    fresh_database_url: str,
+) -> None:
+    pool = await create_pool(fresh_database_url, size=1)
+    try:
+        async with pool.acquire() as conn:
+            await conn.execute("CREATE TABLE left_open (id int)")
+            tx = conn.transaction()
+            await tx.start()
+            await conn.execute("INSERT INTO left_open VALUES (1)")
+            # released here with the transaction neither committed nor rolled back
+        async with pool.acquire() as conn:
+            assert not conn.is_in_transaction()
+            assert await conn.fetchval("SELECT count(*) FROM left_open") == 0
+    finally:
+        await pool.close()
