@@ -44,6 +44,11 @@ FOREIGN_ANSWER_S = 5.0  # how long another process may answer on a service's por
 DATABASE = "quartermaster"
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+# The most partitions a topic gets when the stack creates it. One broker and one process per
+# service share no work across partitions, and Tansu pays for every partition a fetch names on
+# every poll (docs/dev-stack.md, "Topics"); "registry" keeps schemas/topics.py's counts.
+TOPIC_PARTITIONS_ENV = "QM_TOPIC_PARTITIONS_MAX"
+DEV_TOPIC_PARTITIONS = "1"
 
 
 @dataclass
@@ -186,12 +191,30 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _create_topics(bootstrap: str) -> None:
+def topic_partitions_max(environ: Mapping[str, str]) -> int | None:
+    """The stack's cap on partitions per topic (QM_TOPIC_PARTITIONS_MAX): a positive number,
+    or `registry` (None) for the registry's counts."""
+    raw = environ.get(TOPIC_PARTITIONS_ENV, DEV_TOPIC_PARTITIONS).strip()
+    if raw.lower() == "registry":
+        return None
+    try:
+        cap = int(raw)
+    except ValueError:
+        cap = 0
+    if cap < 1:
+        raise StackError(
+            f"{TOPIC_PARTITIONS_ENV}={raw!r}: give a whole number of at least 1, or 'registry' "
+            "for the partition counts of schemas/topics.py"
+        )
+    return cap
+
+
+def _create_topics(bootstrap: str, max_partitions: int | None) -> None:
     try:
         from services.common.topics import ensure_topics  # the lead's module; loaded late
     except ImportError as exc:
         raise StackError(f"cannot create topics: {exc}") from exc
-    run_blocking(ensure_topics(bootstrap))
+    run_blocking(ensure_topics(bootstrap, max_partitions=max_partitions))
 
 
 @dataclass
@@ -256,10 +279,11 @@ class Stack:
         if trace and not environ.get("QM_TRACE_DIR") and not environ.get("QM_OTLP_ENDPOINT"):
             environ["QM_TRACE_DIR"] = str(trace_dir(state_dir))
             _clear_traces(trace_dir(state_dir))  # each run's traces start clean, as its logs do
+        max_partitions = topic_partitions_max(environ)
         stack = cls(state_dir, f"http://127.0.0.1:{gateway_port}", default_token(auth_file))
         try:
             stack._start_servers(environ, reset_database)
-            _create_topics(stack.server("kafka").url)
+            _create_topics(stack.server("kafka").url, max_partitions)
             base_env = {
                 **{"QM_LOG_FORMAT": "json", "QM_LOG_LEVEL": "info"},
                 **environ,

@@ -107,10 +107,11 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         )
         pacer.attach(consumer, quiet=False)
         try:
-            parts = [
-                TopicPartition(topics.ROBOT_DESIRED, p)
-                for p in range(topics.BY_NAME[topics.ROBOT_DESIRED].partitions)
-            ]
+            await consumer.topics()  # the broker's metadata: how many partitions it has
+            ids = consumer.partitions_for_topic(topics.ROBOT_DESIRED) or range(
+                topics.BY_NAME[topics.ROBOT_DESIRED].partitions
+            )
+            parts = [TopicPartition(topics.ROBOT_DESIRED, p) for p in sorted(ids)]
             consumer.assign(parts)
             await consumer.seek_to_beginning(*parts)
             ends = await consumer.end_offsets(parts)
