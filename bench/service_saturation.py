@@ -981,6 +981,9 @@ def run_with(args: argparse.Namespace, chosen: list[str], core: int | None, pinn
                 # A fleet's heartbeats, at a tenth of the interval: ten times the example
                 # fleet's nodes, so the health service has a history worth timing.
                 HEARTBEAT_ENV: f"{args.heartbeat_s:g}",
+                # The registry's partitions, as a deployment has them (replicas share a
+                # service's work by partition); the replays write each partition back as read.
+                "QM_TOPIC_PARTITIONS_MAX": "registry",
             }
             print(f"service_saturation: recording {args.jobs} jobs at {args.rate:.0f}/s")
             t_stack = time.perf_counter()

@@ -278,6 +278,9 @@ def own_stack(
             "QM_WORKING_SET_CHECK_EVERY": "25",
             # Every service writes its spans as JSON lines here (tests/e2e/test_tracing.py).
             "QM_TRACE_DIR": str(workdir / "state" / "traces"),
+            # The registry's partition counts, as a deployment has them (the dev stack makes
+            # one a topic): consumers, fences and probes are tested across partitions.
+            "QM_TOPIC_PARTITIONS_MAX": "registry",
         }
         stack = Stack.start(
             workdir / "state", gateway_port=infra.free_port(), env={**base, **env}, **start

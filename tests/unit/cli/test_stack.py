@@ -26,7 +26,10 @@ from cli.stack import (
     default_token,
     robot_fleet_names,
     service_plan,
+    topic_partitions_max,
 )
+from schemas import topics
+from services.common.topics import partitions
 
 EXAMPLES = PROJECT_ROOT / "examples"
 
@@ -333,3 +336,28 @@ def test_a_service_that_dies_fails_the_start_and_nothing_is_left(
     assert not (tmp_path / "st" / "stack.json").exists()
     assert len(spawned) >= 4  # at least the broker and the three core services
     assert [p for p in spawned if is_alive(p) or group_members(p)] == []
+
+
+def test_the_dev_stack_makes_one_partition_a_topic_unless_told_otherwise() -> None:
+    assert topic_partitions_max({}) == 1
+    assert topic_partitions_max({"QM_TOPIC_PARTITIONS_MAX": " 3 "}) == 3
+    assert topic_partitions_max({"QM_TOPIC_PARTITIONS_MAX": "Registry"}) is None
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "four", "", "1.5", "nan"])
+def test_a_partition_cap_that_is_no_whole_positive_number_is_refused_with_the_way_out(
+    raw: str,
+) -> None:
+    with pytest.raises(StackError, match=r"QM_TOPIC_PARTITIONS_MAX=.*'registry'"):
+        topic_partitions_max({"QM_TOPIC_PARTITIONS_MAX": raw})
+
+
+def test_a_cap_lowers_a_topics_partitions_and_never_raises_them() -> None:
+    submitted = topics.BY_NAME[topics.JOB_SUBMITTED]
+    single = topics.BY_NAME[topics.ROBOT_DESIRED]
+    assert (submitted.partitions, single.partitions) == (4, 1)
+    assert partitions(submitted) == 4
+    assert partitions(submitted, 2) == 2
+    assert partitions(single, 8) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        partitions(submitted, 0)
