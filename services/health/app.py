@@ -11,6 +11,7 @@ breach.
 from __future__ import annotations
 
 import asyncio
+import functools
 from datetime import UTC, datetime
 
 from fastapi import FastAPI
@@ -23,7 +24,7 @@ from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.policyfile import read_yaml
 from services.common.runtime import Runtime, create_http_app
-from services.common.scrape import parse_targets
+from services.common.scrape import parse_targets, scrape, scrape_client
 from services.common.singleton import singleton_for
 from services.health import store
 from services.health.burn import CannotCover, max_points
@@ -111,6 +112,12 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
         )
         runtime.background(check_loop)
         if slos is not None:
+            client = scrape_client()  # kept: one TLS context, connections reused
+
+            @runtime.on_shutdown
+            async def close_client() -> None:
+                await client.aclose()
+
             watch["slo"] = SloWatch(
                 slos,
                 parse_targets(settings.metrics_targets),
@@ -122,6 +129,7 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
                 new_id=new_id,
                 on_alerts=metrics.alerts.inc,
                 every_s=settings.slo_eval_every_s,
+                scraper=functools.partial(scrape, client=client),
             )
             await watch["slo"].load()
             runtime.background(slo_loop)

@@ -3,6 +3,7 @@ page cursors, reading services' metrics, and the numbers people read."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import math
@@ -334,6 +335,38 @@ async def test_a_trickling_or_huge_metrics_page_is_cut_off() -> None:
     assert slow_t.error is not None and "no answer within" in slow_t.error
     assert big_t.error is not None and "TooLarge" in big_t.error
     assert slow_t.samples == [] and big_t.samples == []
+
+
+async def test_a_kept_client_scrapes_again_over_the_same_connection() -> None:
+    """The health service scrapes every SLO evaluation with one kept client
+    (scrape.scrape_client): no new TLS context or connection per scrape."""
+    connections = 0
+
+    async def metrics(reader: Any, writer: Any) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:  # keep-alive: answer every request on this connection
+                await reader.readuntil(b"\r\n\r\n")
+                body = b"qm_x_total 3\n"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                    + b"content-length: %d\r\n\r\n" % len(body)
+                    + body
+                )
+                await writer.drain()
+
+    server, url = await _serve(metrics)
+    client = scrape.scrape_client()
+    try:
+        for _ in range(3):
+            (target,) = await scrape.scrape([("queue", url)], client)
+            assert target.error is None and target.total("qm_x_total") == 3
+        assert not client.is_closed  # the caller's to close
+    finally:
+        await client.aclose()
+        server.close()
+    assert connections == 1
 
 
 def test_odd_histogram_samples_are_left_out() -> None:
