@@ -64,8 +64,8 @@ def parse_metrics(text: str) -> list[Sample]:
 
 def scrape_client() -> httpx.AsyncClient:
     """A client for repeated scrapes. Making one loads the CA bundle into a new TLS context
-    (about a fifth of a second of CPU on a two-core machine, most of the health service's
-    CPU per SLO evaluation), so a process that scrapes on a timer keeps one."""
+    (50-80 ms of CPU on a two-core machine; 17% of the health service's CPU in a profile at
+    200 jobs/s), so a process that scrapes on a timer keeps one."""
     return httpx.AsyncClient(timeout=FETCH_TIMEOUT_S)
 
 
