@@ -11,6 +11,7 @@ from services.common.db import create_pool
 from services.common.kafka import make_broker
 from services.common.policyfile import load_policy
 from services.common.runtime import Runtime, create_http_app
+from services.common.scrape import scrape_client
 from services.gateway import (
     explain,
     fleet,
@@ -127,6 +128,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.gateway = Gateway(
             settings, pool, redis, broker, policy, tokens, tracing=runtime.tracing
         )
+        # The dashboard's scheduler page scrapes the services every few seconds while open.
+        app.state.scrape_client = scrape_client()
         consumers.probe = lambda: pool.fetchval("SELECT 1")
         runtime.background(consumers.committer.run_forever)
         await broker.start()
@@ -136,6 +139,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await broker.stop()
             await redis.aclose()
             await pool.close()
+            await app.state.scrape_client.aclose()
 
         runtime.on_shutdown(close)
 

@@ -514,7 +514,10 @@ async def _scraped(request: Request, gw: Gateway) -> list[scrape.Target]:
     async with state.scrape_lock:
         at, targets = state.scraped
         if time.monotonic() - at >= SCRAPE_TTL_S:
-            targets = await scrape.scrape(scrape.parse_targets(gw.settings.metrics_targets))
+            targets = await scrape.scrape(
+                scrape.parse_targets(gw.settings.metrics_targets),
+                getattr(state, "scrape_client", None),  # the app's, kept (scrape_client)
+            )
             state.scraped = (time.monotonic(), targets)
     return list(targets)
 
