@@ -43,7 +43,7 @@ from aiokafka import AIOKafkaProducer
 
 from bench.machine import describe
 from cli import infra
-from cli.stack import PROJECT_ROOT, Service, Stack
+from cli.stack import PROJECT_ROOT, REGISTRY_PARTITIONS, Service, Stack
 from core.fleet import load_fleet, load_pools
 from schemas import topics
 from schemas.envelope import Envelope
@@ -456,7 +456,12 @@ def chaos(
                 Path(tmp) / "state",
                 gateway_port=infra.free_port(),
                 # The schedulers check their kept working set against a rebuild this often.
-                env={"QM_KAFKA_BOOTSTRAP": kafka.url, "QM_WORKING_SET_CHECK_EVERY": "25"},
+                # A deployment's partitions: each leader kill fences all of them.
+                env={
+                    "QM_KAFKA_BOOTSTRAP": kafka.url,
+                    "QM_WORKING_SET_CHECK_EVERY": "25",
+                    **REGISTRY_PARTITIONS,
+                },
                 # A fresh broker needs a fresh database: stored state would describe a
                 # log that is gone (and executors would restore runs that no longer exist).
                 reset_database=True,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import describe
 from cli import infra
-from cli.stack import Service, Stack
+from cli.stack import REGISTRY_PARTITIONS, Service, Stack
 
 
 def is_leader(service: Service) -> bool:
@@ -80,7 +80,8 @@ def main() -> None:
             stack = Stack.start(
                 Path(tmp) / "state",
                 gateway_port=infra.free_port(),
-                env={"QM_KAFKA_BOOTSTRAP": kafka.url},
+                # A deployment's partitions: the new leader fences each of them.
+                env={"QM_KAFKA_BOOTSTRAP": kafka.url, **REGISTRY_PARTITIONS},
                 # A fresh broker needs a fresh database: stored state would describe a
                 # log that is gone (and executors would restore runs that no longer exist).
                 reset_database=True,

@@ -84,7 +84,7 @@ from bench.fuzz_wire import Expect, HostileClass, dump
 from bench.machine import describe
 from cli import infra
 from cli.probes import postgres_answers
-from cli.stack import Stack
+from cli.stack import REGISTRY_PARTITIONS, Stack
 from schemas import topics
 
 TENANTS = {"vision": "dev-vision", "nlp": "dev-nlp", "speech": "dev-speech"}
@@ -328,6 +328,9 @@ def private_servers(workdir: Path) -> Iterator[dict[str, str]]:
                 "QM_KAFKA_BOOTSTRAP": kafka.url,
                 "QM_REDIS_URL": redis.url,
                 "QM_DATABASE_URL": database,
+                # A deployment's partitions: the hostile records vary by partition, and a
+                # probe goes to each (bench/fuzz_records.py).
+                **REGISTRY_PARTITIONS,
             }
         finally:
             infra.drop_database(server, name)

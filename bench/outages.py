@@ -42,7 +42,7 @@ from bench.chaos import audit, submit
 from bench.machine import describe
 from cli import infra
 from cli.probes import postgres_answers
-from cli.stack import Stack
+from cli.stack import REGISTRY_PARTITIONS, Stack
 from schemas import topics
 from schemas.envelope import Envelope
 from tests.integration.kafka_tools import collect
@@ -298,6 +298,7 @@ def outage_run(
                 # Long enough outages raise the stall alert within the run.
                 "QM_STALL_ALERT_AFTER_S": str(max(1.0, down_s / 2)),
                 "QM_SINGLETON_TTL_S": "4",
+                **REGISTRY_PARTITIONS,  # a deployment's partitions
             },
             time_scale=600.0,
         )

@@ -957,7 +957,7 @@ def main() -> None:
 def run_with(args: argparse.Namespace, chosen: list[str], core: int | None, pinning: str) -> None:
     from cli import infra
     from cli.processes import stop_all
-    from cli.stack import Stack
+    from cli.stack import REGISTRY_PARTITIONS, Stack
 
     run = f"{os.getpid()}{int(time.time()) % 100000}"
     plans = [plan_for(name, run, args.cluster) for name in chosen]
@@ -983,7 +983,7 @@ def run_with(args: argparse.Namespace, chosen: list[str], core: int | None, pinn
                 HEARTBEAT_ENV: f"{args.heartbeat_s:g}",
                 # The registry's partitions, as a deployment has them (replicas share a
                 # service's work by partition); the replays write each partition back as read.
-                "QM_TOPIC_PARTITIONS_MAX": "registry",
+                **REGISTRY_PARTITIONS,
             }
             print(f"service_saturation: recording {args.jobs} jobs at {args.rate:.0f}/s")
             t_stack = time.perf_counter()

@@ -49,6 +49,8 @@ STOP_TIMEOUT_S = 10.0
 # every poll (docs/dev-stack.md, "Topics"); "registry" keeps schemas/topics.py's counts.
 TOPIC_PARTITIONS_ENV = "QM_TOPIC_PARTITIONS_MAX"
 DEV_TOPIC_PARTITIONS = "1"
+# For a stack that should have a deployment's partitions (the e2e tests, the fault benches).
+REGISTRY_PARTITIONS = {TOPIC_PARTITIONS_ENV: "registry"}
 
 
 @dataclass
@@ -194,7 +196,7 @@ def _port_free(port: int) -> bool:
 def topic_partitions_max(environ: Mapping[str, str]) -> int | None:
     """The stack's cap on partitions per topic (QM_TOPIC_PARTITIONS_MAX): a positive number,
     or `registry` (None) for the registry's counts."""
-    raw = environ.get(TOPIC_PARTITIONS_ENV, DEV_TOPIC_PARTITIONS).strip()
+    raw = environ.get(TOPIC_PARTITIONS_ENV, "").strip() or DEV_TOPIC_PARTITIONS
     if raw.lower() == "registry":
         return None
     try:

@@ -26,7 +26,7 @@ import pytest
 from bench.chaos import drifted
 from cli import infra
 from cli.probes import postgres_answers
-from cli.stack import Stack
+from cli.stack import REGISTRY_PARTITIONS, Stack
 
 # Tests in these directories get the marker, so `-m "not integration and not e2e"` works.
 _DIRECTORY_MARKERS = {"integration": "integration", "e2e": "e2e"}
@@ -280,7 +280,7 @@ def own_stack(
             "QM_TRACE_DIR": str(workdir / "state" / "traces"),
             # The registry's partition counts, as a deployment has them (the dev stack makes
             # one a topic): consumers, fences and probes are tested across partitions.
-            "QM_TOPIC_PARTITIONS_MAX": "registry",
+            **REGISTRY_PARTITIONS,
         }
         stack = Stack.start(
             workdir / "state", gateway_port=infra.free_port(), env={**base, **env}, **start

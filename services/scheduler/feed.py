@@ -114,7 +114,9 @@ class Feed:
             for topic in topics:
                 ids = consumer.partitions_for_topic(topic)
                 while ids is None:
-                    await consumer.force_metadata_update()
+                    # A topic made after the consumer started (aiokafka's consumer has no
+                    # public refresh of the metadata it reads partitions from).
+                    await consumer._client.force_metadata_update()
                     ids = consumer.partitions_for_topic(topic)
                     if ids is None:
                         await asyncio.sleep(0.2)

@@ -24,11 +24,14 @@ async def bounded(step: Awaitable[object], seconds: float, what: str) -> None:
         raise TimeoutError(f"{what} did not finish within {seconds:.0f} s") from exc
 
 
-async def fresh_topic(bootstrap: str, prefix: str, partitions: int = 2) -> str:
-    """A topic of its own for one test, named `prefix-<random>`."""
+def topic_name(prefix: str) -> str:
+    """A topic name no other test uses: `prefix-<random>`."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def create_topic(bootstrap: str, name: str, partitions: int = 2) -> str:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -36,6 +39,11 @@ async def fresh_topic(bootstrap: str, prefix: str, partitions: int = 2) -> str:
     finally:
         await admin.close()
     return name
+
+
+async def fresh_topic(bootstrap: str, prefix: str, partitions: int = 2) -> str:
+    """A topic of its own for one test, named `prefix-<random>`."""
+    return await create_topic(bootstrap, topic_name(prefix), partitions)
 
 
 async def eventually(check: Callable[[], Any], timeout_s: float = 30.0) -> None:

@@ -15,7 +15,13 @@ from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
 from services.common.settings import ServiceSettings
 from services.scheduler.feed import Feed
-from tests.integration.kafka_tools import eventually, fresh_topic, produce
+from tests.integration.kafka_tools import (
+    create_topic,
+    eventually,
+    fresh_topic,
+    produce,
+    topic_name,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -100,4 +106,29 @@ async def test_the_scheduler_feed_paces_each_consumer(topics_ready: str) -> None
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+        await feed.stop()
+
+
+async def test_the_scheduler_feed_waits_for_a_topic_made_after_it_started(
+    topics_ready: str,
+) -> None:
+    """The feed reads partitions from the metadata its consumer has; a topic that is not
+    there yet is waited for (metadata asked again every 0.2 s), not an error."""
+    there = await fresh_topic(topics_ready, "feed-there")
+    later = topic_name("feed-later")
+    feed = Feed(topics_ready, (there, later), 20, lambda records: None, hot=())
+    starting = asyncio.create_task(feed.start())
+    try:
+        await asyncio.sleep(0.5)  # long enough for it to be looking; passes without as well
+        await create_topic(topics_ready, later, 3)
+        await asyncio.wait_for(starting, 30)
+        assigned = feed._consumers[0].assignment()
+        assert {(tp.topic, tp.partition) for tp in assigned if tp.topic == later} == {
+            (later, 0),
+            (later, 1),
+            (later, 2),
+        }
+    finally:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
         await feed.stop()

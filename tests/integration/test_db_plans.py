@@ -7,9 +7,12 @@ million (`pg_stat_user_tables.seq_tup_read`), a cost that grows with every job e
 
 from __future__ import annotations
 
-import asyncpg
+from pathlib import Path
 
-from services.common.db import create_pool
+import asyncpg
+import pytest
+
+from services.common.db import create_pool, migrate
 
 # How the services look rows up by a batch of keys (services/queue/store.py and others).
 LOOKUP = "SELECT p.id FROM plan_probe AS p JOIN unnest($1::text[]) AS u(id) ON p.id = u.id"
@@ -103,5 +106,29 @@ async def test_a_transaction_left_open_is_rolled_back_before_the_next_batch_gets
         async with pool.acquire() as conn:
             assert not conn.is_in_transaction()
             assert await conn.fetchval("SELECT count(*) FROM left_open") == 0
+    finally:
+        await pool.close()
+
+
+async def test_a_failed_migration_leaves_its_lock_with_no_pooled_connection(
+    fresh_database_url: str, tmp_path: Path
+) -> None:
+    """`migrate` holds a session-level advisory lock, and the service pools do not reset
+    sessions on release: after a failed migration no lock is left held, and the next start
+    migrates on. (The race this guards against in `migrate`, a lock granted just as a timeout
+    or cancel strikes, cannot be staged deterministically.)"""
+    (tmp_path / "001_ok.sql").write_text("CREATE TABLE fine (id int);")
+    (tmp_path / "002_bad.sql").write_text("CREATE TABLE broken (id nonexistent_type);")
+    pool = await create_pool(fresh_database_url, size=1)
+    try:
+        with pytest.raises(asyncpg.PostgresError):
+            await migrate(pool, "probe", tmp_path)
+        async with pool.acquire() as conn:
+            held = await conn.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            )
+        assert held == 0
+        (tmp_path / "002_bad.sql").write_text("CREATE TABLE mended (id int);")
+        assert await migrate(pool, "probe", tmp_path) == ["002_bad.sql"]
     finally:
         await pool.close()

@@ -107,7 +107,8 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
         )
         pacer.attach(consumer, quiet=False)
         try:
-            await consumer.topics()  # the broker's metadata: how many partitions it has
+            # The partitions the broker has (metadata read at start; the stack creates the
+            # topics first), else the registry's count.
             ids = consumer.partitions_for_topic(topics.ROBOT_DESIRED) or range(
                 topics.BY_NAME[topics.ROBOT_DESIRED].partitions
             )

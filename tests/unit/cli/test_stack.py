@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from bench.fuzz_health import partition_counts
 from cli import infra
 from cli import stack as stack_module
 from cli.errors import StackError
@@ -238,12 +240,16 @@ def test_stack_starts_records_and_stops_everything(
     stack = Stack.start(
         tmp_path / "st",
         gateway_port=infra.free_port(),
-        env=stack_env,
+        env={**stack_env, "QM_TOPIC_PARTITIONS_MAX": ""},  # empty: the dev stack's default
         policy_file=stand_in_policy(tmp_path),
     )
     try:
         record = json.loads((tmp_path / "st" / "stack.json").read_text())
         assert record["ready"] and record["token"] == "dev-vision"
+        # Its own broker's topics, made with the dev stack's one partition each.
+        names = (topics.JOB_SUBMITTED, topics.PLACEMENT_DECIDED, topics.ROBOT_DESIRED)
+        counts = asyncio.run(partition_counts(stack.server("kafka").url, names))
+        assert counts == dict.fromkeys(names, 1)
         assert len(record["services"]) == 9 + len(cluster_names(EXAMPLES / "fleet.yaml")) + len(
             robot_fleet_names(EXAMPLES / "fleet.yaml")
         )
@@ -340,11 +346,12 @@ def test_a_service_that_dies_fails_the_start_and_nothing_is_left(
 
 def test_the_dev_stack_makes_one_partition_a_topic_unless_told_otherwise() -> None:
     assert topic_partitions_max({}) == 1
+    assert topic_partitions_max({"QM_TOPIC_PARTITIONS_MAX": " "}) == 1  # empty: unset
     assert topic_partitions_max({"QM_TOPIC_PARTITIONS_MAX": " 3 "}) == 3
     assert topic_partitions_max({"QM_TOPIC_PARTITIONS_MAX": "Registry"}) is None
 
 
-@pytest.mark.parametrize("raw", ["0", "-2", "four", "", "1.5", "nan"])
+@pytest.mark.parametrize("raw", ["0", "-2", "four", "1.5", "nan"])
 def test_a_partition_cap_that_is_no_whole_positive_number_is_refused_with_the_way_out(
     raw: str,
 ) -> None:
