@@ -46,7 +46,7 @@ HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 # The most partitions a topic gets when the stack creates it. One broker and one process per
 # service share no work across partitions, and Tansu pays for every partition a fetch names on
-# every poll (docs/dev-stack.md, "Topics"); "registry" keeps schemas/topics.py's counts.
+# every poll (docs/dev-stack.md); "registry" keeps schemas/topics.py's counts.
 TOPIC_PARTITIONS_ENV = "QM_TOPIC_PARTITIONS_MAX"
 DEV_TOPIC_PARTITIONS = "1"
 # For a stack that should have a deployment's partitions (the e2e tests, the fault benches).
