@@ -1,5 +1,5 @@
 """How many partitions the topics get on a real broker: the registry's counts, or one each
-under the dev stack's cap (docs/dev-stack.md, "Topics")."""
+under the dev stack's cap (docs/dev-stack.md)."""
 
 from __future__ import annotations
 
