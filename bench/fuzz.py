@@ -68,6 +68,7 @@ from bench.fuzz_audit import (
     Tail,
     Verdict,
     judge,
+    locate,
 )
 from bench.fuzz_health import (
     GroupReport,
@@ -144,11 +145,19 @@ class Fuzz:
                 report = await wait_groups_caught_up(self.bootstrap, groups, counts, opts.drain_s)
                 drained_s = time.monotonic() - started
                 verdicts = await self._settle(tail, opts.settle_s)
+            unfinished = {j for j in self.valid if self.evidence.terminal(j) != "succeeded"}
+            located = (
+                await locate(
+                    self.bootstrap, topics.JOB_FINISHED, unfinished, skip, self.evidence.seen
+                )
+                if unfinished
+                else {}
+            )
         finally:
             await producer.stop()
         services = check_services(self.stack, pids)
         timings = {"write_s": written_s, "terminal_s": terminal_s, "drain_s": drained_s}
-        return self._figures(verdicts, report, services, timings)
+        return self._figures(verdicts, report, services, timings, located)
 
     async def _write_all(
         self,
@@ -259,6 +268,7 @@ class Fuzz:
         report: GroupReport,
         services: ServiceReport,
         timings: dict[str, float],
+        located: dict[str, list[str]],
     ) -> dict[str, Any]:
         by_class: dict[str, dict[str, int]] = {c.value: defaultdict(int) for c in HostileClass}
         for v in verdicts:
@@ -270,7 +280,9 @@ class Fuzz:
         not_done = sorted(j for j, end in ends.items() if end != "succeeded")
         failures = {
             "valid_jobs": [
-                f"{j}: {ends[j] or 'no terminal state'}; last {self.evidence.trail.get(j, [])[-4:]}"
+                f"{j}: {ends[j] or 'no terminal state'}; "
+                f"last {self.evidence.trail.get(j, [])[-4:]}; "
+                f"job.finished read afresh: {located.get(j) or 'none in the broker'}"
                 for j in not_done
             ],
             "hostile": failure_lines(verdicts),

@@ -103,6 +103,31 @@ class Tail:
                         out.append((coords, env))
 
 
+async def locate(
+    bootstrap: str, topic: str, job_ids: set[str], skip: set[Coords], seen: set[str]
+) -> dict[str, list[str]]:
+    """Where the records about `job_ids` sit in `topic`, read afresh from its start by a new
+    reader: the diagnosis of a job the audit found no answer for. Each line says whether the
+    record's coordinates are among our hostile records' (the audit skipped it) and whether
+    its event id was read before (the audit took it for a redelivery); a job with no line
+    has no record there at all."""
+    found: dict[str, list[str]] = {j: [] for j in job_ids}
+    async with Tail(bootstrap, (topic,), set()) as tail:
+        for (t, partition, offset), env in await tail.read():
+            job_id = env["payload"].get("job_id")
+            if job_id not in found:
+                continue
+            event_id = str(env.get("event_id"))
+            notes = [
+                "at hostile coordinates" if (t, partition, offset) in skip else "",
+                "event id read before" if event_id in seen else "event id never read",
+            ]
+            found[job_id].append(
+                f"{t}[{partition}]@{offset} event {event_id} {', '.join(n for n in notes if n)}"
+            )
+    return found
+
+
 @dataclass
 class Evidence:
     """What the answer topics say, indexed the ways the verdicts look things up."""
@@ -113,14 +138,14 @@ class Evidence:
     finished: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     queued_first: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     trail: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    _seen: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)  # event ids read (a redelivery is skipped)
 
     def add(self, located: list[tuple[Coords, dict[str, Any]]]) -> None:
         for (topic, _p, _o), env in located:
             event_id = str(env.get("event_id"))
-            if event_id in self._seen:  # at-least-once: the same event may appear twice
+            if event_id in self.seen:  # at-least-once: the same event may appear twice
                 continue
-            self._seen.add(event_id)
+            self.seen.add(event_id)
             p = env["payload"]
             if isinstance(p.get("job_id"), str) and topic != topics.DEAD_LETTER:
                 self.trail[p["job_id"]].append(_step(topic, p, env))
