@@ -187,6 +187,8 @@ class Preemptor:
         changed. Held rows still waiting sort after every due one, so a full batch of changes
         is the only sign that more may be due right now."""
         now = self.clock()
+        if not await store.anything_due(self.pool, now):
+            return 0
         effects = Effects()
         async with self.relay.transaction() as tx:
             conn = tx.conn

@@ -1,6 +1,7 @@
-"""The preemptor's queries for stop orders that got no answer, on real PostgreSQL: a run whose
-end is already in the job facts (it ended while the timer was ordering its stop) is settled,
-not alerted on; an unanswered order is claimed for one alert, once."""
+"""The preemptor's timer queries on real PostgreSQL: a run whose end is already in the job facts
+(it ended while the timer was ordering its stop) is settled, not alerted on; an unanswered
+order is claimed for one alert, once; the timer's look without a transaction sees exactly the
+rows its claim would take."""
 
 from __future__ import annotations
 
@@ -41,7 +42,50 @@ async def test_ended_runs_are_settled_and_the_rest_alerted_once(fresh_database_u
     assert states == {"ended": "done", "silent": "ordered", "recent": "ordered"}
 
 
-async def ordered(conn: asyncpg.Connection, victim: str, ordered_ago_s: float) -> None:
+async def test_the_timers_look_finds_what_its_claim_would_take(fresh_database_url: str) -> None:
+    pool = await create_pool(fresh_database_url)
+    seen: list[tuple[str, bool, list[str]]] = []
+    try:
+        await migrate(pool, store.SCHEMA, store.MIGRATIONS)
+
+        async def look(case: str) -> None:
+            async with pool.acquire() as conn, conn.transaction():
+                # Claiming only locks the rows; nothing changes when it commits.
+                claimed = [t.request.job_id for t in await store.claim_due(conn, NOW, 10)]
+            seen.append((case, await store.anything_due(pool, NOW), claimed))
+
+        await look("empty")
+        async with pool.acquire() as conn:
+            await ordered(conn, "ordered", ordered_ago_s=120)
+            await ordered(conn, "later", ordered_ago_s=120, state="signaled", stop_in_s=30)
+        await look("an order out and a stop not due yet")
+        async with pool.acquire() as conn:
+            await ordered(conn, "due", ordered_ago_s=120, state="signaled", stop_in_s=-1)
+        await look("a stop due")
+        async with pool.acquire() as conn:
+            await conn.execute(
+                "UPDATE preemptor.preemptions SET state = 'done' WHERE job_id = 'due'"
+            )
+            await ordered(conn, "held", ordered_ago_s=120, state="held")
+        await look("a held request")
+    finally:
+        await pool.close()
+    assert seen == [
+        ("empty", False, []),
+        ("an order out and a stop not due yet", False, []),
+        ("a stop due", True, ["due"]),
+        ("a held request", True, ["held"]),
+    ]
+
+
+async def ordered(
+    conn: asyncpg.Connection,
+    victim: str,
+    ordered_ago_s: float,
+    *,
+    state: str = "ordered",
+    stop_in_s: float | None = None,
+) -> None:
     request = {
         "job_id": victim,
         "attempt": 1,
@@ -60,13 +104,17 @@ async def ordered(conn: asyncpg.Connection, victim: str, ordered_ago_s: float) -
         "leader": "s",
     }
     at = NOW - timedelta(seconds=ordered_ago_s)
+    stop_at = None if stop_in_s is None else NOW + timedelta(seconds=stop_in_s)
     await conn.execute(
         "INSERT INTO preemptor.preemptions (id, job_id, attempt, cluster, tenant, for_job, "
         "for_tenant, reason_code, epoch, request, trace_id, requested_at, received_at, state, "
-        "ordered_at) VALUES ($1, $2, 1, 'c1', 't', 'f', 't', 'preempted_for_priority', 1, "
-        "$3::jsonb, 'tr', $4, $4, 'ordered', $4)",
+        "ordered_at, stop_at) VALUES ($1, $2, 1, 'c1', 't', 'f', 't', "
+        "'preempted_for_priority', 1, $3::jsonb, 'tr', $4, $4, $5, $6, $7)",
         f"p-{victim}",
         victim,
         json.dumps(request),
         at,
+        state,
+        at if state == "ordered" else None,
+        stop_at,
     )
