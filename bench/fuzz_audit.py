@@ -115,7 +115,7 @@ async def locate(
     async with Tail(bootstrap, (topic,), set()) as tail:
         for (t, partition, offset), env in await tail.read():
             job_id = env["payload"].get("job_id")
-            if job_id not in found:
+            if not isinstance(job_id, str) or job_id not in found:  # hostile ones: any JSON
                 continue
             event_id = str(env.get("event_id"))
             notes = [

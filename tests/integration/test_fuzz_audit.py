@@ -35,6 +35,7 @@ async def test_locate_finds_each_jobs_records_and_says_why_the_audit_passed_them
                 (1, envelope("e-hostile", "job-b")),
                 (0, envelope("e-other", "job-c")),
                 (1, b'{"payload": "not an object"}'),
+                (0, b'{"event_id": "e-list", "payload": {"job_id": ["job-a"]}}'),  # unhashable
             )
         ]
     finally:
