@@ -104,28 +104,39 @@ class Tail:
 
 
 async def locate(
-    bootstrap: str, topic: str, job_ids: set[str], skip: set[Coords], seen: set[str]
+    bootstrap: str,
+    topic: str,
+    job_ids: set[str],
+    skip: set[Coords],
+    seen: dict[str, Coords],
+    timeout_s: float = 60.0,
 ) -> dict[str, list[str]]:
     """Where the records about `job_ids` sit in `topic`, read afresh from its start by a new
-    reader: the diagnosis of a job the audit found no answer for. Each line says whether the
-    record's coordinates are among our hostile records' (the audit skipped it) and whether
-    its event id was read before (the audit took it for a redelivery); a job with no line
-    has no record there at all."""
-    found: dict[str, list[str]] = {j: [] for j in job_ids}
+    reader: the diagnosis of a valid job that did not end as it should. Each line gives the
+    record's outcome and says why the audit did not count it, if it did not: its coordinates
+    are among our hostile records' (skipped), or its event id was first read elsewhere (taken
+    for a redelivery); a job with no line has no record there at all."""
+    found: dict[str, list[tuple[Coords, str]]] = {j: [] for j in job_ids}
     async with Tail(bootstrap, (topic,), set()) as tail:
-        for (t, partition, offset), env in await tail.read():
-            job_id = env["payload"].get("job_id")
+        for coords, env in await tail.read(timeout_s):
+            p = env["payload"]
+            job_id = p.get("job_id")
             if not isinstance(job_id, str) or job_id not in found:  # hostile ones: any JSON
                 continue
+            t, partition, offset = coords
             event_id = str(env.get("event_id"))
-            notes = [
-                "at hostile coordinates" if (t, partition, offset) in skip else "",
-                "event id read before" if event_id in seen else "event id never read",
-            ]
-            found[job_id].append(
-                f"{t}[{partition}]@{offset} event {event_id} {', '.join(n for n in notes if n)}"
-            )
-    return found
+            first = seen.get(event_id)
+            if coords in skip:
+                how = "skipped: at our hostile records' coordinates"
+            elif first is None:
+                how = "never read by the audit"
+            elif first == coords:
+                how = "read by the audit here"
+            else:
+                how = f"skipped: its event id was first read at {first[0]}[{first[1]}]@{first[2]}"
+            line = f"{t}[{partition}]@{offset} outcome {p.get('outcome')!r} event {event_id}: {how}"
+            found[job_id].append((coords, line))
+    return {j: [line for _, line in sorted(lines)] for j, lines in found.items()}
 
 
 @dataclass
@@ -138,14 +149,17 @@ class Evidence:
     finished: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     queued_first: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     trail: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    seen: set[str] = field(default_factory=set)  # event ids read (a redelivery is skipped)
+    # Event id -> where it was first read; a later record with the same id is skipped (a
+    # redelivery).
+    seen: dict[str, Coords] = field(default_factory=dict)
 
     def add(self, located: list[tuple[Coords, dict[str, Any]]]) -> None:
-        for (topic, _p, _o), env in located:
+        for coords, env in located:
+            topic = coords[0]
             event_id = str(env.get("event_id"))
             if event_id in self.seen:  # at-least-once: the same event may appear twice
                 continue
-            self.seen.add(event_id)
+            self.seen[event_id] = coords
             p = env["payload"]
             if isinstance(p.get("job_id"), str) and topic != topics.DEAD_LETTER:
                 self.trail[p["job_id"]].append(_step(topic, p, env))

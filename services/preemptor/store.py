@@ -1,6 +1,7 @@
 """The preemptor's PostgreSQL schema `preemptor`: job facts, the epoch fence and the
 preemptions with their durable timers (plus the outbox and processed events of
-services.common.outbox). Every function runs inside the caller's transaction."""
+services.common.outbox). Every function runs inside the caller's transaction, except
+`anything_due`, the timer's look before it opens one."""
 
 from __future__ import annotations
 
@@ -207,9 +208,10 @@ _DUE = "(state = 'signaled' AND stop_at <= $1) OR state = 'held'"
 
 
 async def anything_due(pool: asyncpg.Pool, now: datetime) -> bool:
-    """Whether `claim_due` would find a row: one statement outside any transaction. The timer
-    looks every 50 ms and nearly always finds nothing; a transaction for that look (begin,
-    the locking select, commit) was half of an idle preemptor's CPU."""
+    """Whether any row is due (`claim_due` finds them all but those another instance holds
+    locked): one statement outside any transaction. The timer looks every 50 ms and nearly
+    always finds nothing; opening a transaction for every look (begin, the locking select,
+    commit) cost an idle preemptor about a sixth of its CPU (docs/performance.md)."""
     return bool(
         await pool.fetchval(
             f"SELECT EXISTS (SELECT 1 FROM preemptor.preemptions WHERE {_DUE})", now

@@ -15,9 +15,8 @@ pytestmark = pytest.mark.integration
 
 
 def envelope(event_id: str, job_id: str) -> bytes:
-    return json.dumps(
-        {"event_id": event_id, "type": "JobFinished", "payload": {"job_id": job_id}}
-    ).encode()
+    payload = {"job_id": job_id, "outcome": "succeeded"}
+    return json.dumps({"event_id": event_id, "type": "JobFinished", "payload": payload}).encode()
 
 
 async def test_locate_finds_each_jobs_records_and_says_why_the_audit_passed_them_by(
@@ -36,24 +35,42 @@ async def test_locate_finds_each_jobs_records_and_says_why_the_audit_passed_them
                 (0, envelope("e-other", "job-c")),
                 (1, b'{"payload": "not an object"}'),
                 (0, b'{"event_id": "e-list", "payload": {"job_id": ["job-a"]}}'),  # unhashable
+                (1, envelope("e-read", "job-a")),  # the same event again: a redelivery
+                (0, envelope("e-unread", "job-e")),
             )
         ]
     finally:
         await bounded(producer.stop(), STOP_S, "the test producer's stop")
-    coords: dict[bytes, Coords] = {v: (topic, m.partition, m.offset) for m, v in sent}
-    hostile = coords[envelope("e-hostile", "job-b")]
+    coords: dict[bytes, list[Coords]] = {}
+    for meta, value in sent:
+        coords.setdefault(value, []).append((topic, meta.partition, meta.offset))
+    first, again = coords[envelope("e-read", "job-a")]
+    (hostile,) = coords[envelope("e-hostile", "job-b")]
+    (other,) = coords[envelope("e-other", "job-c")]
+    (unread,) = coords[envelope("e-unread", "job-e")]
+
+    def at(c: Coords) -> str:
+        return f"{c[0]}[{c[1]}]@{c[2]}"
 
     found = await locate(
-        kafka_bootstrap, topic, {"job-a", "job-b", "job-d"}, skip={hostile}, seen={"e-read"}
+        kafka_bootstrap,
+        topic,
+        {"job-a", "job-b", "job-d", "job-e"},
+        skip={hostile},
+        seen={"e-read": first, "e-other": other},
+        timeout_s=60,
     )
 
-    assert set(found) == {"job-a", "job-b", "job-d"}
-    a_topic, a_partition, a_offset = coords[envelope("e-read", "job-a")]
-    assert found["job-a"] == [
-        f"{a_topic}[{a_partition}]@{a_offset} event e-read event id read before"
-    ]
-    assert found["job-b"] == [
-        f"{topic}[{hostile[1]}]@{hostile[2]} event e-hostile at hostile coordinates, "
-        "event id never read"
-    ]
-    assert found["job-d"] == []  # nothing about it in the topic: no line
+    assert found == {
+        "job-a": [
+            f"{at(first)} outcome 'succeeded' event e-read: read by the audit here",
+            f"{at(again)} outcome 'succeeded' event e-read: skipped: its event id was first "
+            f"read at {at(first)}",
+        ],
+        "job-b": [
+            f"{at(hostile)} outcome 'succeeded' event e-hostile: skipped: at our hostile "
+            "records' coordinates"
+        ],
+        "job-d": [],  # nothing about it in the topic: no line
+        "job-e": [f"{at(unread)} outcome 'succeeded' event e-unread: never read by the audit"],
+    }

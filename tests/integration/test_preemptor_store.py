@@ -1,7 +1,7 @@
 """The preemptor's timer queries on real PostgreSQL: a run whose end is already in the job facts
 (it ended while the timer was ordering its stop) is settled, not alerted on; an unanswered
-order is claimed for one alert, once; the timer's look without a transaction sees exactly the
-rows its claim would take."""
+order is claimed for one alert, once; the timer's look without a transaction finds a row
+exactly when its claim would take one."""
 
 from __future__ import annotations
 
