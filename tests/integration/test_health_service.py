@@ -362,7 +362,11 @@ async def test_a_straggler_raises_one_alert_across_reports_and_a_restart_and_a_s
         f"g{run}-2",
         f"g{run}",
     )
-    assert (alert["cause"], alert["severity"], alert["count"]) == ("straggler", "warning", 3)
+    assert (alert["cause"], alert["severity"]) == ("straggler", "warning")
+    # The third slow report opens the incident; the alert carries its count as its batch left
+    # it, so slow reports read in the same batch (the service lingers 100 ms, these come about
+    # 50 ms apart) count too: 3 up to the 8 of that round, depending on how they were batched.
+    assert 3 <= alert["count"] <= 8, alert["count"]
     assert f"job {slow_job}'s replica 2 3.0x slower" in alert["suggested_action"]
     [letter] = dead
     assert letter["source_topic"] == topics.JOB_PROGRESS
