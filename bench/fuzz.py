@@ -285,11 +285,11 @@ class Fuzz:
             row["sent"] += 1
             row[v.how] += 1
             row["failed"] += 0 if v.ok else 1
-        ends = {j: self.evidence.terminal(j) for j in self.valid}
-        not_done = sorted(self._not_succeeded())
+        failed = self._not_succeeded()
+        not_done = sorted(failed)
         failures = {
             "valid_jobs": [
-                f"{j}: {ends[j] or 'no terminal state'}; "
+                f"{j}: {failed[j] or 'no terminal state'}; "
                 f"last {self.evidence.trail.get(j, [])[-4:]}; "
                 f"job.finished read afresh: {located.get(j) or 'none in the broker'}"
                 for j in not_done
@@ -313,8 +313,8 @@ class Fuzz:
             "rejected": sum(v.how == "rejected" for v in verdicts),
             "ignored": sum(v.how == "ignored" for v in verdicts),
             "unanswered": sum(not v.ok for v in verdicts) + len(not_done),
-            "valid_jobs": len(ends),
-            "valid_succeeded": len(ends) - len(not_done),
+            "valid_jobs": len(self.valid),
+            "valid_succeeded": len(self.valid) - len(not_done),
             "probe_answer_s_max": round(max(self.probe_answer_s.values(), default=float("nan")), 2),
             **{name: round(seconds, 1) for name, seconds in timings.items()},
             "drain_after_write_s": round(timings["drain_s"] - timings["write_s"], 1),
