@@ -6,7 +6,7 @@ topics whose relative order is not guaranteed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -129,6 +129,9 @@ class JobView:
     # The newest placement decided for it (attempt `placement.attempt`); it holds devices while
     # the job is in a HOLDING state of that same attempt.
     placement: Placement | None = None
+    # Whether `spec` was read from the stored row: a stored spec is never rewritten (the upsert
+    # keeps the row's own), so the projection need not send it back with every event.
+    spec_stored: bool = field(default=False, compare=False)
 
     @property
     def accelerator_type(self) -> str | None:

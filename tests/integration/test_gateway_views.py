@@ -1,0 +1,88 @@
+"""The gateway's read model on the real PostgreSQL: a job's spec is written once, with the view
+that first holds it, and every later event about the job leaves it as it was without sending it
+again (the projection reads it back for what it needs: the type a waiting job asks for)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from redis.asyncio import Redis
+
+from schemas.job import JobSpec, JobState
+from services.common.db import create_pool
+from services.gateway import store
+from services.gateway.handlers import Projector
+from services.gateway.projection import JobView
+from tests.integration.test_gateway_early_events import T0, placed, queued, spec, started
+
+pytestmark = pytest.mark.integration
+
+SPEC_COLUMN = 15  # the position of the spec's JSON in store._row
+
+
+@pytest.fixture
+async def rig(fresh_database_url: str, redis_url: str) -> AsyncIterator[tuple[asyncpg.Pool, Redis]]:
+    pool = await create_pool(fresh_database_url)
+    redis = Redis.from_url(redis_url)
+    try:
+        await store.migrate_gateway(pool)
+        yield pool, redis
+    finally:
+        await redis.aclose()
+        await pool.close()
+
+
+async def locked(pool: asyncpg.Pool, job_id: str) -> JobView:
+    async with pool.acquire() as conn, conn.transaction():
+        return (await store.lock_views(conn, [job_id]))[job_id]
+
+
+async def test_a_stored_spec_is_read_back_whole_and_never_sent_again(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    pool, redis = rig
+    projector = Projector(pool, redis)
+    job = "j-spec"
+    first = queued(job)
+    want = spec(job)
+
+    await projector.process((first,))  # type: ignore[arg-type]
+    view = await locked(pool, job)
+    assert view.state == JobState.QUEUED
+    assert view.spec == want and view.spec_stored
+    assert view.accelerator_type == "any"  # from the spec read back: the job asks for any type
+    # The spec column of the upsert is empty for a view whose spec came from its row...
+    assert store._row(view)[SPEC_COLUMN] is None
+    # ... and holds the spec for a view that is not stored yet.
+    fresh = JobView(job, "vision", JobState.SUBMITTED, T0, T0, spec=want)
+    assert store._row(fresh)[SPEC_COLUMN] == want.model_dump_json(exclude_none=True)
+
+    for batch in ((placed(job),), (started(job),)):
+        await projector.process(batch)  # type: ignore[arg-type]
+    view = await locked(pool, job)
+    assert (view.state, view.attempt, view.cluster) == (JobState.RUNNING, 1, "c1")
+    assert view.spec == want and view.spec_stored
+    row = await pool.fetchrow(
+        "SELECT spec, project, accelerators FROM gateway.jobs WHERE job_id = $1", job
+    )
+    assert row is not None and JobSpec.model_validate_json(row["spec"]) == want
+    assert (row["project"], row["accelerators"]) == (want.project, want.total_accelerators)
+
+
+async def test_a_view_without_a_spec_gets_the_first_one_it_hears(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    """A view written before its spec was known (here by hand) is not `spec_stored`: the spec
+    of its job.queued is sent and kept."""
+    pool, redis = rig
+    job = "j-late-spec"
+    async with pool.acquire() as conn, conn.transaction():
+        await store.upsert_views(conn, [JobView(job, "vision", JobState.SUBMITTED, T0, T0)])
+    bare = await locked(pool, job)
+    assert bare.spec is None and not bare.spec_stored
+
+    await Projector(pool, redis).process((queued(job),))  # type: ignore[arg-type]
+    view = await locked(pool, job)
+    assert view.spec is not None and view.spec.job_id == job and view.spec_stored
