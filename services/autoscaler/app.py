@@ -113,7 +113,7 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
 
     async def handle(records: Records) -> None:
         planner: Planner = state["planner"]
-        decoded, dead = decode_envelopes(records, consumer=NAME)
+        decoded, dead = decode_envelopes(records, consumer=NAME, models=PAYLOADS)
         blocks: list[tuple[str, str]] = []
         for got in decoded:
             try:

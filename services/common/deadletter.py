@@ -18,7 +18,7 @@ from schemas.bounds import WireError, escape_unsafe
 from schemas.envelope import Envelope, parse_envelope
 from schemas.events import DeadLetter, LeaderFence
 from schemas.health import AlertRaised, Severity
-from schemas.registry import upcast
+from schemas.registry import parse_typed, upcast
 from schemas.validation import describe_validation_error
 from services.common.kafka import OutMessage, decode_key, envelope_for
 
@@ -27,6 +27,11 @@ MAX_DEAD_LETTER_VALUE = 64 * 1024
 
 @dataclass(frozen=True)
 class Received:
+    """A record and its envelope. Decoded against its topic's payload model (`models=`), a
+    record in the current version is parsed in one pass, and `envelope.payload` is then that
+    model, not a dict (`model.model_validate` of it returns it as is); read the payload
+    through the model, never as a dict."""
+
     record: ConsumerRecord[Any, Any]
     envelope: Envelope
 
@@ -130,14 +135,24 @@ def decode_envelopes(
     *,
     consumer: str,
     fences: list[LeaderFence] | None = None,
+    models: Mapping[str, type[BaseModel]] | None = None,
 ) -> tuple[list[Received], list[OutMessage]]:
     """Split a batch into decoded envelopes and dead letters for the rest.
+
+    With `models` (payload model by topic), a record that parses as its topic's model in one
+    pass (schemas.registry.parse_typed) carries that model as its payload; any other goes the
+    usual way, so what is refused, and why, does not change.
 
     A scheduler leader's fence (a control record on the topics it decides on) is no event to
     act on: it goes to `fences` for a consumer that honours leader epochs, else it is skipped."""
     good: list[Received] = []
     dead: list[OutMessage] = []
     for record in records:
+        if models is not None:
+            typed = parse_typed(record.value, models.get(record.topic))
+            if typed is not None:
+                good.append(Received(record, typed))
+                continue
         try:
             envelope = upcast(parse_envelope(record.value or b""))
             if envelope.type == topics.LEADER_FENCE:
@@ -166,7 +181,7 @@ def decode_payloads(
 ) -> tuple[list[tuple[Received, Any]], list[OutMessage]]:
     """Envelopes and their payloads validated by topic (`models`); a dead letter for every
     record that is not one (unreadable envelope, or a payload that does not validate)."""
-    received, dead = decode_envelopes(records, consumer=consumer)
+    received, dead = decode_envelopes(records, consumer=consumer, models=models)
     good: list[tuple[Received, Any]] = []
     for got in received:
         try:

@@ -39,8 +39,13 @@ def configure_logging(service: str, fmt: str = "auto", level: str = "INFO") -> N
 def bind_event(envelope: Envelope, job_id: str | None = None) -> AbstractContextManager[None]:
     """Bind the job, tenant and trace of the event being handled to every log line inside."""
     return structlog.contextvars.bound_contextvars(
-        job_id=job_id or envelope.payload.get("job_id"),
+        job_id=job_id or _job_id(envelope.payload),
         tenant=envelope.tenant,
         trace_id=envelope.trace_id,
         event_id=envelope.event_id,
     )
+
+
+def _job_id(payload: object) -> object:
+    # A payload is a dict, or already its model (services.common.deadletter.Received).
+    return payload.get("job_id") if isinstance(payload, dict) else getattr(payload, "job_id", None)

@@ -161,7 +161,9 @@ class Executor:
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> None:
         records = tuple(r for r in records if not self._for_another_cluster(r))
         fences: list[LeaderFence] = []
-        received, dead = decode_envelopes(records, consumer=self.producer, fences=fences)
+        received, dead = decode_envelopes(
+            records, consumer=self.producer, fences=fences, models=PAYLOADS
+        )
         mine: list[tuple[Envelope, Any]] = []
         traced = hops(self.tracing, "executor.start")  # a placement's trace goes on here
         for got in received:

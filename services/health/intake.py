@@ -49,7 +49,7 @@ class Batch:
 
 def read_batch(records: tuple[ConsumerRecord[Any, Any], ...], now: datetime) -> Batch:
     batch = Batch()
-    decoded, batch.dead = decode_envelopes(records, consumer=CONSUMER)
+    decoded, batch.dead = decode_envelopes(records, consumer=CONSUMER, models=PAYLOADS)
     for got in decoded:
         try:
             payload = PAYLOADS[got.record.topic].model_validate(got.envelope.payload)

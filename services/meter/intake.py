@@ -84,7 +84,7 @@ def read_batch(
     records: tuple[ConsumerRecord[Any, Any], ...],
 ) -> tuple[list[tuple[str, Fact]], list[OutMessage]]:
     """(event id, fact) for every record the meter can use, and dead letters for the rest."""
-    received, dead = decode_envelopes(records, consumer=CONSUMER)
+    received, dead = decode_envelopes(records, consumer=CONSUMER, models=PAYLOADS)
     facts: list[tuple[str, Fact]] = []
     for got in received:
         model = PAYLOADS.get(got.record.topic)

@@ -99,7 +99,9 @@ def to_request(event_id: str, occurred_at: datetime, p: PreemptionRequested) -> 
 def read_batch(records: tuple[ConsumerRecord[Any, Any], ...]) -> Batch:
     batch = Batch()
     fences: list[LeaderFence] = []
-    received, batch.dead = decode_envelopes(records, consumer=CONSUMER, fences=fences)
+    received, batch.dead = decode_envelopes(
+        records, consumer=CONSUMER, fences=fences, models=PAYLOADS
+    )
     # A new scheduler leader's fence raises the epoch as its placements would.
     batch.epoch = max((f.epoch for f in fences), default=0)
     for got in received:

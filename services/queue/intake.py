@@ -95,7 +95,9 @@ def read_batch(
             items.append(_read_submission(record))
         else:
             lifecycle.append(record)
-    decoded, undecodable = decode_envelopes(tuple(lifecycle), consumer=CONSUMER)
+    decoded, undecodable = decode_envelopes(
+        tuple(lifecycle), consumer=CONSUMER, models=LIFECYCLE_PAYLOADS
+    )
     dead.extend(undecodable)
     for got in decoded:
         model = LIFECYCLE_PAYLOADS[got.record.topic]

@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas import topics
 from schemas.envelope import Envelope, parse_envelope
@@ -26,6 +26,7 @@ from schemas.events import (
     RunFailed,
 )
 from schemas.health import NodeRecovered, NodeUnhealthy
+from schemas.registry import parse_typed
 from schemas.usage import BudgetExceeded
 from services.common.kafka import OutMessage, decode_key, envelope_for
 from services.scheduler.figures import FleetFigures, TenantFigures
@@ -38,20 +39,22 @@ OWN_HEADER = "event_id"
 # Queue waits run from a moment (an idle fleet) to days (a big gang on a busy one).
 WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
 
-FEED_TOPICS = (
-    topics.CLUSTER_CAPACITY,
-    topics.JOB_QUEUED,
-    topics.PLACEMENT_DECIDED,
-    topics.PLACEMENT_REFUSED,
-    topics.JOB_FINISHED,
-    topics.JOB_PREEMPTED,
-    topics.JOB_RUN_FAILED,
-    topics.PREEMPTION_REQUESTED,
-    topics.PREEMPTION_CANCELED,
-    topics.NODE_UNHEALTHY,
-    topics.NODE_RECOVERED,
-    topics.BUDGET_EXCEEDED,
-)
+# What the scheduler reads, and each topic's payload (a leader's fence rides on them too).
+PAYLOADS: dict[str, type[BaseModel]] = {
+    topics.CLUSTER_CAPACITY: ClusterCapacity,
+    topics.JOB_QUEUED: JobQueued,
+    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_REFUSED: PlacementRefused,
+    topics.JOB_FINISHED: JobFinished,
+    topics.JOB_PREEMPTED: JobPreempted,
+    topics.JOB_RUN_FAILED: RunFailed,
+    topics.PREEMPTION_REQUESTED: PreemptionRequested,
+    topics.PREEMPTION_CANCELED: PreemptionCanceled,
+    topics.NODE_UNHEALTHY: NodeUnhealthy,
+    topics.NODE_RECOVERED: NodeRecovered,
+    topics.BUDGET_EXCEEDED: BudgetExceeded,
+}
+FEED_TOPICS = tuple(PAYLOADS)
 
 
 class SchedulerMetrics:
@@ -279,7 +282,10 @@ def apply_records(
         if state.own and record.topic == topics.PLACEMENT_DECIDED and _own(state, record):
             continue
         try:
-            env = parse_envelope(record.value or b"")
+            # One pass when the record is its topic's current payload; else the usual way.
+            env = parse_typed(record.value, PAYLOADS.get(record.topic)) or parse_envelope(
+                record.value or b""
+            )
             _apply(state, record, env)
         except (ValidationError, ValueError) as exc:
             metrics.skipped.inc()

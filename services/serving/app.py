@@ -128,7 +128,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
             for r in records
             if r.topic not in JOB_TOPICS or (decode_key(r) or "").startswith(REPLICA_PREFIX)
         )
-        decoded, dead = decode_envelopes(mine, consumer=NAME)
+        decoded, dead = decode_envelopes(mine, consumer=NAME, models=PAYLOADS)
         parsed: list[tuple[Any, BaseModel]] = []
         for got in decoded:
             try:
