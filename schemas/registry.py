@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from pydantic import BaseModel, ValidationError, create_model
 
@@ -54,10 +54,7 @@ def upcast(envelope: Envelope) -> Envelope:
 def typed_envelope(model: type[BaseModel]) -> type[Envelope]:
     """Envelope whose payload is `model`, so that pydantic parses a record's bytes into both
     in one pass, without building the payload as a dict and validating that again."""
-    return cast(
-        "type[Envelope]",
-        create_model(f"{model.__name__}Envelope", __base__=Envelope, payload=(model, ...)),
-    )
+    return create_model(f"{model.__name__}Envelope", __base__=Envelope, payload=(model, ...))
 
 
 def parse_typed(raw: object, model: type[BaseModel] | None) -> Envelope | None:
