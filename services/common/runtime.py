@@ -86,7 +86,8 @@ class Runtime:
         else:
             self._tasks.append(asyncio.create_task(self._lead(self.singleton), name="lead"))
         self.ready = True
-        log.info("service started", port=self.settings.http_port)
+        loop_module = type(asyncio.get_running_loop()).__module__
+        log.info("service started", port=self.settings.http_port, loop=loop_module.split(".")[0])
         try:
             yield
         finally:
@@ -392,5 +393,6 @@ def serve(app: FastAPI, settings: ServiceSettings, name: str) -> None:
         # Open connections (an SSE stream of `qm watch`, the dashboard's) get this long to end
         # before the lifespan's shutdown runs; uvicorn would otherwise wait for them forever.
         timeout_graceful_shutdown=max(1, round(settings.shutdown_step_s)),
+        loop=settings.event_loop,
     )
     uvicorn.Server(config).run()

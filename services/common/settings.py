@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,6 +41,9 @@ class ServiceSettings(BaseSettings):
     # what start-up read) out of the cyclic garbage collector's reach (gc.freeze): a full
     # collection then scans only what the service made since. docs/performance.md measures it.
     gc_freeze: bool = True
+    # The event loop a service runs on: uvloop (libuv; sockets, timers and callbacks in C) or
+    # Python's own asyncio loop (docs/performance.md, "The event loop").
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # Each shutdown step (open HTTP connections ending, the loops' cancellation, each close
     # hook, the lease's release) gets this long; one that hangs (a broker that never answers a
     # consumer's leave, a pool whose connection is never given back) is cut off with an error
