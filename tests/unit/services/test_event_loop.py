@@ -1,5 +1,5 @@
-"""A service runs on uvloop unless QM_EVENT_LOOP=asyncio: `serve` hands the setting to uvicorn,
-and the start-up log says which loop runs."""
+"""A service runs on uvloop unless QM_EVENT_LOOP=asyncio: `serve` hands the setting to uvicorn.
+A value that is neither is refused when the settings are read."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
+from services.common.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,9 +53,5 @@ def test_a_service_runs_on_the_loop_its_setting_names(setting: str | None, modul
 
 
 def test_a_loop_that_is_not_one_of_the_two_is_refused() -> None:
-    from pydantic import ValidationError
-
-    from services.common.settings import ServiceSettings
-
     with pytest.raises(ValidationError, match="event_loop"):
         ServiceSettings(event_loop="tokio")  # type: ignore[arg-type]
