@@ -1,5 +1,7 @@
 """Decoding a batch: a scheduler leader's fence is no event and no poison. A consumer that
-fences epochs gets it; every other consumer skips it; bad input still goes to dead.letter."""
+fences epochs gets it; every other consumer skips it; bad input still goes to dead.letter.
+Decoded against the topics' payload models, a record in the current version is read in one
+pass, and what is accepted, refused (and why) and read is what the usual way gives."""
 
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def test_with_the_payload_models_what_is_accepted_refused_and_read_does_not_chan
     assert JobQueued.model_validate(queued.envelope.payload) is queued.envelope.payload
 
 
-def test_an_older_version_and_a_fence_go_the_usual_way() -> None:
+def test_an_older_version_is_lifted_and_a_newer_one_refused_the_usual_way() -> None:
     """One pass only reads the current version: an older one is lifted by its upcaster, even
     when it would validate as it is; a newer one is refused with the reason."""
 
