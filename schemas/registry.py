@@ -43,7 +43,16 @@ def upcast(envelope: Envelope) -> Envelope:
         fn = _UPCASTERS.get((envelope.type, version))
         if fn is None:
             raise ValueError(f"no upcaster for {envelope.type} v{version}")
-        payload = fn(payload)
+        try:
+            payload = fn(payload)
+        except Exception as exc:
+            # An old payload the upcaster cannot lift (a field missing, a wrong type) is bad
+            # input like any other: refused with the reason (callers dead-letter ValueErrors),
+            # never an error that fails the whole batch and stalls its partition.
+            raise ValueError(
+                f"{envelope.type} v{version} could not be lifted to v{version + 1}:"
+                f" {type(exc).__name__}: {exc}"
+            ) from exc
         version += 1
     if version == envelope.version:
         return envelope

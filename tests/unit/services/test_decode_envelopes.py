@@ -186,3 +186,32 @@ def test_a_fence_is_a_fence_even_where_it_would_validate_as_the_topics_model() -
         batch, consumer="c", fences=fences, models={topics.JOB_STARTED: LeaderFence}
     )
     assert (received, dead, fences) == ([], [], [LeaderFence(epoch=7, leader="s2")])
+
+
+def test_an_old_payload_its_upcaster_cannot_lift_is_dead_lettered_not_raised() -> None:
+    """An upcaster that fails on a hostile old payload (here a KeyError: the field it renames
+    is missing) refuses that record with the reason; the rest of the batch is read."""
+
+    def rename(payload: dict[str, Any]) -> dict[str, Any]:
+        lifted = dict(payload)
+        lifted["job_id"] = lifted.pop("id")
+        return lifted
+
+    run = {"attempt": 1, "cluster": "c1", "nodes": ["n0"], "started_at": AT.isoformat()}
+    lacking = Envelope(type="JobStarted", version=1, payload=run)
+    good = Envelope(type="JobStarted", version=1, payload={"id": "j1", **run})
+    batch = tuple(
+        on(topics.JOB_STARTED, e.model_dump_json().encode(), i)
+        for i, e in enumerate((lacking, good))
+    )
+    register_upcaster("JobStarted", 1, rename)
+    try:
+        received, dead = decode_envelopes(batch, consumer="c", models=MODELS)
+    finally:
+        _UPCASTERS.pop(("JobStarted", 1))
+        CURRENT_VERSION.pop("JobStarted")
+    assert [g.envelope.payload["job_id"] for g in received] == ["j1"]
+    assert [m.envelope.payload["offset"] for m in dead] == [0]
+    assert dead[0].envelope.payload["error"] == (
+        "JobStarted v1 could not be lifted to v2: KeyError: 'id'"
+    )
