@@ -6,7 +6,6 @@ event read before its job is kept as it came."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -14,28 +13,17 @@ from redis.asyncio import Redis
 
 from schemas import topics
 from schemas.job import JobSpec, JobState
-from services.common.db import create_pool
 from services.gateway import store
 from services.gateway.handlers import Projector
 from services.gateway.projection import JobView
+from tests.integration import test_gateway_early_events as early
 from tests.integration.test_gateway_early_events import T0, placed, queued, spec, started
 from tests.unit.gateway.builders import record
 
 pytestmark = pytest.mark.integration
 
+rig = early.rig  # the fixture: the gateway's stores, migrated
 SPEC_COLUMN = 15  # the position of the spec's JSON in store._row
-
-
-@pytest.fixture
-async def rig(fresh_database_url: str, redis_url: str) -> AsyncIterator[tuple[asyncpg.Pool, Redis]]:
-    pool = await create_pool(fresh_database_url)
-    redis = Redis.from_url(redis_url)
-    try:
-        await store.migrate_gateway(pool)
-        yield pool, redis
-    finally:
-        await redis.aclose()
-        await pool.close()
 
 
 async def locked(pool: asyncpg.Pool, job_id: str) -> JobView:

@@ -5,7 +5,9 @@ pass, and what is accepted, refused (and why) and read is what the usual way giv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +26,7 @@ from schemas.events import (
     ReplicaAssignment,
 )
 from schemas.job import JobSpec
-from schemas.registry import _UPCASTERS, CURRENT_VERSION, register_upcaster
+from schemas.registry import _UPCASTERS, CURRENT_VERSION, Upcaster, register_upcaster
 from schemas.validation import describe_validation_error
 from services.common.deadletter import Received, decode_envelopes
 from services.common.kafka import OutMessage, envelope_for
@@ -144,6 +146,17 @@ def test_with_the_payload_models_what_is_accepted_refused_and_read_does_not_chan
     assert JobQueued.model_validate(queued.envelope.payload) is queued.envelope.payload
 
 
+@contextlib.contextmanager
+def upcaster(event_type: str, version: int, fn: Upcaster) -> Iterator[None]:
+    """`fn` registered as the upcaster of `event_type` from `version` for the block only."""
+    register_upcaster(event_type, version, fn)
+    try:
+        yield
+    finally:
+        _UPCASTERS.pop((event_type, version))
+        CURRENT_VERSION.pop(event_type)
+
+
 def test_an_older_version_is_lifted_and_a_newer_one_refused_the_usual_way() -> None:
     """One pass only reads the current version: an older one is lifted by its upcaster, even
     when it would validate as it is; a newer one is refused with the reason."""
@@ -165,12 +178,8 @@ def test_an_older_version_is_lifted_and_a_newer_one_refused_the_usual_way() -> N
         on(topics.JOB_STARTED, e.model_dump_json().encode(), i)
         for i, e in enumerate((old, looks_current, newer))
     )
-    register_upcaster("JobStarted", 1, lift)
-    try:
+    with upcaster("JobStarted", 1, lift):
         received, dead = decode_envelopes(batch, consumer="c", models=MODELS)
-    finally:
-        _UPCASTERS.pop(("JobStarted", 1))
-        CURRENT_VERSION.pop("JobStarted")
     assert [(g.envelope.version, g.envelope.payload) for g in received] == [
         (2, {"job_id": "j0", "cluster": "lifted-c0", **run}),
         (2, {"job_id": "j1", "cluster": "lifted-c1", **run}),
@@ -204,12 +213,8 @@ def test_an_old_payload_its_upcaster_cannot_lift_is_dead_lettered_not_raised() -
         on(topics.JOB_STARTED, e.model_dump_json().encode(), i)
         for i, e in enumerate((lacking, good))
     )
-    register_upcaster("JobStarted", 1, rename)
-    try:
+    with upcaster("JobStarted", 1, rename):
         received, dead = decode_envelopes(batch, consumer="c", models=MODELS)
-    finally:
-        _UPCASTERS.pop(("JobStarted", 1))
-        CURRENT_VERSION.pop("JobStarted")
     assert [g.envelope.payload["job_id"] for g in received] == ["j1"]
     assert [m.envelope.payload["offset"] for m in dead] == [0]
     assert dead[0].envelope.payload["error"] == (
