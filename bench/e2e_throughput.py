@@ -10,9 +10,11 @@ otherwise starts the whole platform as processes in a temporary directory and st
     python bench/e2e_throughput.py --profile DIR --profile-phase fixed   # ... at the fixed rate
 
 When the bench starts the stack itself it also reports CPU seconds per 1,000 jobs for every
-process (each service, the broker, PostgreSQL) in both phases, and the cores each keeps busy
-while nothing is submitted (`idle_cores`; polling the broker is most of it); with --profile,
-the top frames of each service (bench/cpu.py) are printed and written to DIR/summary.txt.
+process (each service, the broker, PostgreSQL) in both phases, the cores each keeps busy while
+nothing is submitted (`idle_cores`; polling the broker is most of it), and per job in each
+phase PostgreSQL's commits and row writes and every consumer group's batches
+(`counts_per_job`, bench/counters.py); with --profile, the top frames of each service
+(bench/cpu.py) are printed and written to DIR/summary.txt.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.counters import StackCounters, per_job, print_counts
 from bench.cpu import (
     CpuMeter,
     Profiler,
@@ -238,7 +241,11 @@ def write_summary(out_dir: str, cpu: dict[str, float]) -> None:
 
 
 async def measure(
-    bootstrap: str, gateway: str | None, args: argparse.Namespace, pids: dict[str, int]
+    bootstrap: str,
+    gateway: str | None,
+    args: argparse.Namespace,
+    pids: dict[str, int],
+    counters: StackCounters,
 ) -> dict[str, Any]:
     observer = Observer(bootstrap)
     await observer.start()
@@ -268,12 +275,19 @@ async def measure(
                 await asyncio.sleep(1.0)  # its slow fetch in flight has come back
             fixed: dict[str, float] = {}
             count = int(args.rate * args.seconds)
+            counted: dict[str, Any] = {}
+            before = await counters.read()
             meter.start()
             with profiling(args, pids, "fixed") as profiled:
+                t_fixed = time.perf_counter()
                 took = await offer(submitter, args.rate, count, "fixed", fixed)
                 await wait_placed(observer, fixed, 60)
             if pids:
                 cpu["fixed"] = cpu_report("fixed rate", meter.stop(), count)
+            counted["fixed"] = per_job(
+                before, await counters.read(), count, time.perf_counter() - t_fixed
+            )
+            print_counts("fixed rate", counted["fixed"])
             if profiled:
                 write_summary(args.profile, cpu.get("fixed", {}))
             lat = latencies_ms(observer.placed, fixed)
@@ -286,6 +300,7 @@ async def measure(
             )
 
             burst: dict[str, float] = {}
+            before = await counters.read()
             meter.start()
             with profiling(args, pids, "burst") as profiled:
                 t0 = time.perf_counter()
@@ -293,6 +308,10 @@ async def measure(
                 await wait_placed(observer, burst, 300)
             if pids:
                 cpu["burst"] = cpu_report("overload", meter.stop(), args.burst)
+            counted["burst"] = per_job(
+                before, await counters.read(), args.burst, time.perf_counter() - t0
+            )
+            print_counts("overload", counted["burst"])
             if profiled:
                 write_summary(args.profile, cpu.get("burst", {}))
             done = sorted(observer.placed[j] for j in burst if j in observer.placed)
@@ -322,17 +341,20 @@ async def measure(
         "overall_jobs_per_s": round(overall, 1),
         "queued_per_s": round(queued_rate, 1),
         "cpu_s_per_1000_jobs": cpu,
+        "counts_per_job": counted,
         "idle_cores": idle,
     }
 
 
 @contextlib.contextmanager
-def platform_urls() -> Iterator[tuple[str, str | None, str, dict[str, int]]]:
-    """(kafka, gateway, where, pids): the running stack's (pids unknown: no CPU figures), or a
-    private stack started here (pids of every service and of the broker)."""
+def platform_urls() -> Iterator[tuple[str, str | None, str, dict[str, int], StackCounters]]:
+    """(kafka, gateway, where, pids, counters): the running stack's (pids and services'
+    metrics unknown: no CPU or batch figures; PostgreSQL's counts when QM_DATABASE_URL is set),
+    or a private stack started here (pids of every service and of the broker)."""
     if os.environ.get("QM_KAFKA_BOOTSTRAP"):
         kafka = os.environ["QM_KAFKA_BOOTSTRAP"]
-        yield kafka, os.environ.get("QM_GATEWAY_URL"), "running stack", {}
+        counters = StackCounters(os.environ.get("QM_DATABASE_URL"), {})
+        yield kafka, os.environ.get("QM_GATEWAY_URL"), "running stack", {}, counters
         return
     from cli import infra
     from cli.stack import Stack
@@ -350,7 +372,12 @@ def platform_urls() -> Iterator[tuple[str, str | None, str, dict[str, int]]]:
             )
             try:
                 pids = pids_of(stack, kafka)
-                yield kafka.url, stack.gateway_url, "stack started by the bench", pids
+                counters = StackCounters(
+                    stack.server_env()["QM_DATABASE_URL"],
+                    {s.name: f"http://127.0.0.1:{s.port}/metrics" for s in stack.services},
+                )
+                where = "stack started by the bench"
+                yield kafka.url, stack.gateway_url, where, pids, counters
             finally:
                 stack.stop()
         finally:
@@ -382,9 +409,9 @@ def main() -> None:
         help="the phase --profile samples: the overload (default) or the fixed rate",
     )
     args = parser.parse_args()
-    with platform_urls() as (bootstrap, gateway, where, pids):
+    with platform_urls() as (bootstrap, gateway, where, pids, counters):
         print(f"e2e_throughput via {args.via} against the {where} ({bootstrap})")
-        figures = asyncio.run(measure(bootstrap, gateway, args, pids))
+        figures = asyncio.run(measure(bootstrap, gateway, args, pids, counters))
     setup = {
         **describe(),
         "via": args.via,

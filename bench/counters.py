@@ -1,0 +1,135 @@
+"""What a phase of a bench cost in units of work, not seconds: PostgreSQL transactions and row
+writes (`pg_stat_database` of the stack's database) and, per consumer group, batches and
+records (each service's `/metrics`). Divided by the jobs of the phase, these tell whether a
+change in CPU per job came from doing more of something (more, smaller batches; more
+transactions) or from each unit costing more.
+
+PostgreSQL's counters are approximate at a phase's edges: a backend reports its counts at the
+end of a transaction at most once a second (and an idle one within ten), so up to about a
+second of each busy backend's work can fall into the next reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import asyncpg
+import httpx
+
+from services.common.scrape import parse_metrics
+
+PG_COLUMNS = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted")
+BATCHES = "qm_consumer_batch_seconds_count"
+RECORDS = "qm_consumer_records_total"
+
+
+@dataclass
+class Reading:
+    pg: dict[str, float]
+    # (service, group) -> (batches, records) since the service started
+    groups: dict[tuple[str, str], tuple[float, float]]
+
+
+class StackCounters:
+    """Readings of the stack's counters; `per_job(before, after, jobs)` is the difference."""
+
+    def __init__(self, database_url: str | None, metrics: Mapping[str, str]) -> None:
+        self.database_url = database_url
+        self.metrics = dict(metrics)  # service name -> its /metrics URL
+
+    async def read(self) -> Reading:
+        pg, groups = await asyncio.gather(self._pg(), self._groups())
+        return Reading(pg, groups)
+
+    async def _pg(self) -> dict[str, float]:
+        if not self.database_url:
+            return {}
+        conn = await asyncpg.connect(self.database_url)
+        try:
+            row = await conn.fetchrow(
+                f"SELECT {', '.join(PG_COLUMNS)} FROM pg_stat_database "
+                "WHERE datname = current_database()"
+            )
+        finally:
+            await conn.close()
+        return {c: float(row[c]) for c in PG_COLUMNS} if row else {}
+
+    async def _groups(self) -> dict[tuple[str, str], tuple[float, float]]:
+        out: dict[tuple[str, str], tuple[float, float]] = {}
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            pages = await asyncio.gather(
+                *(http.get(url) for url in self.metrics.values()), return_exceptions=True
+            )
+        for name, page in zip(self.metrics, pages, strict=True):
+            if isinstance(page, BaseException) or page.status_code != 200:
+                continue  # a service that does not answer has no figures, not zeros
+            for group, counts in group_counts(page.text).items():
+                out[(name, group)] = counts
+        return out
+
+
+def group_counts(page: str) -> dict[str, tuple[float, float]]:
+    """Per consumer group on one /metrics page: (batches, records) since the service started."""
+    batches: dict[str, float] = {}
+    records: dict[str, float] = {}
+    for s in parse_metrics(page):
+        group = s.labels.get("group")
+        if group is None or not math.isfinite(s.value):
+            continue
+        if s.name == BATCHES:
+            batches[group] = batches.get(group, 0.0) + s.value
+        elif s.name == RECORDS:
+            records[group] = records.get(group, 0.0) + s.value
+    return {g: (batches.get(g, 0.0), records.get(g, 0.0)) for g in batches.keys() | records.keys()}
+
+
+def per_job(before: Reading, after: Reading, jobs: int, seconds: float) -> dict[str, object]:
+    """Per job of the phase: PostgreSQL's commits and row writes; per consumer group, batches
+    per job, batches a second and records per batch."""
+    if jobs <= 0:
+        return {}
+    pg = {
+        k: round((after.pg[k] - before.pg.get(k, 0.0)) / jobs, 2)
+        for k in after.pg
+        if k in before.pg
+    }
+    if pg:
+        pg["row_writes"] = round(
+            sum(pg.get(k, 0.0) for k in ("tup_inserted", "tup_updated", "tup_deleted")), 2
+        )
+    groups: dict[str, dict[str, float]] = {}
+    for key, (b1, r1) in sorted(after.groups.items()):
+        b0, r0 = before.groups.get(key, (0.0, 0.0))
+        batches, records = b1 - b0, r1 - r0
+        if batches <= 0:
+            continue
+        groups[f"{key[0]}/{key[1]}"] = {
+            "batches_per_job": round(batches / jobs, 3),
+            "batches_per_s": round(batches / seconds, 1) if seconds > 0 else math.nan,
+            "records_per_batch": round(records / batches, 1),
+        }
+    total = sum(g["batches_per_job"] for g in groups.values())
+    return {"pg": pg, "batches_per_job": round(total, 2), "groups": groups}
+
+
+def print_counts(phase: str, counts: Mapping[str, object]) -> None:
+    if not counts:
+        return
+    pg = counts.get("pg") or {}
+    if isinstance(pg, dict) and pg:
+        print(
+            f"{phase}, PostgreSQL per job: {pg.get('xact_commit', 0):.2f} commits, "
+            f"{pg.get('row_writes', 0):.1f} row writes (ins {pg.get('tup_inserted', 0):.1f} "
+            f"upd {pg.get('tup_updated', 0):.1f} del {pg.get('tup_deleted', 0):.1f})"
+        )
+    groups = counts.get("groups") or {}
+    if isinstance(groups, dict) and groups:
+        print(f"{phase}, consumer batches per job in all: {counts.get('batches_per_job')}")
+        for name, g in groups.items():
+            print(
+                f"  {name:40s} {g['batches_per_job']:7.3f}/job {g['batches_per_s']:7.1f}/s "
+                f"{g['records_per_batch']:7.1f} records/batch"
+            )

@@ -1,0 +1,68 @@
+"""The e2e bench's counts per job: read from the consumers' own metrics (by their real names,
+so a renamed metric fails here, not silently as an empty table) and divided by a phase's jobs."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from bench.counters import Reading, group_counts, per_job
+from services.common.consumer import ConsumerMetrics
+
+
+def test_batches_and_records_per_group_from_a_services_page() -> None:
+    registry = CollectorRegistry()
+    metrics = ConsumerMetrics(registry)
+    for took in (0.01, 0.02, 0.03):
+        metrics.batch.labels("queue").observe(took)
+    metrics.records.labels("queue").inc(30)
+    metrics.batch.labels("queue-lifecycle").observe(0.1)
+    metrics.records.labels("queue-lifecycle").inc(5)
+    metrics.dead_letters.labels("queue").inc(2)  # other families of the group are not counted
+
+    counts = group_counts(generate_latest(registry).decode())
+
+    assert counts == {"queue": (3.0, 30.0), "queue-lifecycle": (1.0, 5.0)}
+
+
+def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
+    before = Reading(
+        pg={"xact_commit": 100.0, "tup_inserted": 1000.0, "tup_updated": 10.0, "tup_deleted": 0.0},
+        groups={("queue", "queue"): (10.0, 100.0), ("meter", "meter"): (5.0, 50.0)},
+    )
+    after = Reading(
+        pg={
+            "xact_commit": 150.0,
+            "tup_inserted": 3000.0,
+            "tup_updated": 210.0,
+            "tup_deleted": 100.0,
+        },
+        groups={
+            ("queue", "queue"): (60.0, 1100.0),
+            ("meter", "meter"): (5.0, 50.0),  # no batch in the phase: left out
+            ("gateway", "gateway"): (4.0, 400.0),  # first seen after: counted from zero
+        },
+    )
+
+    got = per_job(before, after, jobs=100, seconds=10.0)
+
+    assert got["pg"] == {
+        "xact_commit": 0.5,
+        "tup_inserted": 20.0,
+        "tup_updated": 2.0,
+        "tup_deleted": 1.0,
+        "row_writes": 23.0,
+    }
+    assert got["groups"] == {
+        "gateway/gateway": {
+            "batches_per_job": 0.04,
+            "batches_per_s": 0.4,
+            "records_per_batch": 100.0,
+        },
+        "queue/queue": {"batches_per_job": 0.5, "batches_per_s": 5.0, "records_per_batch": 20.0},
+    }
+    assert got["batches_per_job"] == 0.54
+
+
+def test_no_jobs_no_figures() -> None:
+    empty = Reading(pg={}, groups={})
+    assert per_job(empty, empty, jobs=0, seconds=1.0) == {}
