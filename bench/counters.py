@@ -1,8 +1,8 @@
 """What a phase of a bench cost in units of work, not seconds: PostgreSQL transactions and row
-writes (`pg_stat_database` of the stack's database) and, per consumer group, batches and
-records (each service's `/metrics`). Divided by the jobs of the phase, these tell whether a
-change in CPU per job came from doing more of something (more, smaller batches; more
-transactions) or from each unit costing more.
+writes (`pg_stat_database` of the stack's database, and per table `pg_stat_user_tables`) and,
+per consumer group, batches and records (each service's `/metrics`). Divided by the jobs of
+the phase, these tell whether a change in CPU per job came from doing more of something (more,
+smaller batches; more transactions; more rows) or from each unit costing more.
 
 PostgreSQL's counters are approximate at a phase's edges: a backend reports its counts at the
 end of a transaction at most once a second (and an idle one within ten), so up to about a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 import httpx
@@ -24,6 +24,7 @@ from services.common.scrape import parse_metrics
 PG_COLUMNS = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted")
 BATCHES = "qm_consumer_batch_seconds_count"
 RECORDS = "qm_consumer_records_total"
+TOP_TABLES = 12  # tables named in the printed line (the JSON holds every one written to)
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Reading:
     pg: dict[str, float]
     # (service, group) -> (batches, records) since the service started
     groups: dict[tuple[str, str], tuple[float, float]]
+    # schema.table -> rows inserted, updated and deleted since the statistics were reset
+    tables: dict[str, float] = field(default_factory=dict)
 
 
 class StackCounters:
@@ -41,12 +44,12 @@ class StackCounters:
         self.metrics = dict(metrics)  # service name -> its /metrics URL
 
     async def read(self) -> Reading:
-        pg, groups = await asyncio.gather(self._pg(), self._groups())
-        return Reading(pg, groups)
+        (pg, tables), groups = await asyncio.gather(self._pg(), self._groups())
+        return Reading(pg, groups, tables)
 
-    async def _pg(self) -> dict[str, float]:
+    async def _pg(self) -> tuple[dict[str, float], dict[str, float]]:
         if not self.database_url:
-            return {}
+            return {}, {}
         try:
             conn = await asyncpg.connect(self.database_url, timeout=5.0)
             try:
@@ -54,13 +57,18 @@ class StackCounters:
                     f"SELECT {', '.join(PG_COLUMNS)} FROM pg_stat_database "
                     "WHERE datname = current_database()"
                 )
+                tables = await conn.fetch(
+                    "SELECT schemaname || '.' || relname AS name,"
+                    " n_tup_ins + n_tup_upd + n_tup_del AS writes FROM pg_stat_user_tables"
+                )
             finally:
                 await conn.close()
         except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
             # The counts are an aid to reading the figures: the bench goes on without them.
             print(f"PostgreSQL's counters not read ({type(exc).__name__}: {exc})")
-            return {}
-        return {c: float(row[c]) for c in PG_COLUMNS} if row else {}
+            return {}, {}
+        pg = {c: float(row[c]) for c in PG_COLUMNS} if row else {}
+        return pg, {r["name"]: float(r["writes"]) for r in tables}
 
     async def _groups(self) -> dict[tuple[str, str], tuple[float, float]]:
         out: dict[tuple[str, str], tuple[float, float]] = {}
@@ -117,7 +125,12 @@ def per_job(before: Reading, after: Reading, jobs: int, seconds: float) -> dict[
             "records_per_batch": round(records / batches, 1),
         }
     total = sum(g["batches_per_job"] for g in groups.values())
-    return {"pg": pg, "batches_per_job": round(total, 2), "groups": groups}
+    written = {
+        name: round((n - before.tables.get(name, 0.0)) / jobs, 2)
+        for name, n in after.tables.items()
+    }
+    tables = dict(sorted(((k, v) for k, v in written.items() if v > 0), key=lambda kv: -kv[1]))
+    return {"pg": pg, "tables": tables, "batches_per_job": round(total, 2), "groups": groups}
 
 
 def print_counts(phase: str, counts: Mapping[str, object]) -> None:
@@ -130,6 +143,10 @@ def print_counts(phase: str, counts: Mapping[str, object]) -> None:
             f"{pg.get('row_writes', 0):.1f} row writes (ins {pg.get('tup_inserted', 0):.1f} "
             f"upd {pg.get('tup_updated', 0):.1f} del {pg.get('tup_deleted', 0):.1f})"
         )
+    tables = counts.get("tables") or {}
+    if isinstance(tables, dict) and tables:
+        top = ", ".join(f"{name} {n:.1f}" for name, n in list(tables.items())[:TOP_TABLES])
+        print(f"{phase}, rows written per job by table (most first): {top}")
     groups = counts.get("groups") or {}
     if isinstance(groups, dict) and groups:
         print(f"{phase}, consumer batches per job in all: {counts.get('batches_per_job')}")

@@ -28,6 +28,7 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
     before = Reading(
         pg={"xact_commit": 100.0, "tup_inserted": 1000.0, "tup_updated": 10.0, "tup_deleted": 0.0},
         groups={("queue", "queue"): (10.0, 100.0), ("meter", "meter"): (5.0, 50.0)},
+        tables={"queue.history": 500.0, "meter.runs": 70.0, "gateway.jobs": 10.0},
     )
     after = Reading(
         pg={
@@ -40,6 +41,12 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
             ("queue", "queue"): (60.0, 1100.0),
             ("meter", "meter"): (5.0, 50.0),  # no batch in the phase: left out
             ("gateway", "gateway"): (4.0, 400.0),  # first seen after: counted from zero
+        },
+        tables={
+            "queue.history": 900.0,
+            "meter.runs": 70.0,  # not written in the phase: left out
+            "gateway.jobs": 310.0,
+            "queue.outbox": 50.0,  # first seen after
         },
     )
 
@@ -61,6 +68,12 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
         "queue/queue": {"batches_per_job": 0.5, "batches_per_s": 5.0, "records_per_batch": 20.0},
     }
     assert got["batches_per_job"] == 0.54
+    # most written first
+    assert list(got["tables"].items()) == [
+        ("queue.history", 4.0),
+        ("gateway.jobs", 3.0),
+        ("queue.outbox", 0.5),
+    ]
 
 
 def test_no_jobs_no_figures() -> None:
