@@ -24,14 +24,15 @@ from services.common.scrape import parse_metrics
 PG_COLUMNS = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted")
 BATCHES = "qm_consumer_batch_seconds_count"
 RECORDS = "qm_consumer_records_total"
+REQUESTS = "qm_consumer_kafka_requests_total"
 TOP_TABLES = 12  # tables named in the printed line (the JSON holds every one written to)
 
 
 @dataclass
 class Reading:
     pg: dict[str, float]
-    # (service, group) -> (batches, records) since the service started
-    groups: dict[tuple[str, str], tuple[float, float]]
+    # (service, group) -> (batches, records, fetches, all requests to the broker) so far
+    groups: dict[tuple[str, str], tuple[float, float, float, float]]
     # schema.table -> rows inserted, updated and deleted since the statistics were reset
     tables: dict[str, float] = field(default_factory=dict)
 
@@ -70,8 +71,8 @@ class StackCounters:
         pg = {c: float(row[c]) for c in PG_COLUMNS} if row else {}
         return pg, {r["name"]: float(r["writes"]) for r in tables}
 
-    async def _groups(self) -> dict[tuple[str, str], tuple[float, float]]:
-        out: dict[tuple[str, str], tuple[float, float]] = {}
+    async def _groups(self) -> dict[tuple[str, str], tuple[float, float, float, float]]:
+        out: dict[tuple[str, str], tuple[float, float, float, float]] = {}
         async with httpx.AsyncClient(timeout=5.0) as http:
             pages = await asyncio.gather(
                 *(http.get(url) for url in self.metrics.values()), return_exceptions=True
@@ -84,24 +85,30 @@ class StackCounters:
         return out
 
 
-def group_counts(page: str) -> dict[str, tuple[float, float]]:
-    """Per consumer group on one /metrics page: (batches, records) since the service started."""
-    batches: dict[str, float] = {}
-    records: dict[str, float] = {}
+def group_counts(page: str) -> dict[str, tuple[float, float, float, float]]:
+    """Per consumer group on one /metrics page: (batches, records, fetches, every request to
+    the broker) since the service started (requests: since the group's first batch)."""
+    counts: dict[str, list[float]] = {}
     for s in parse_metrics(page):
         group = s.labels.get("group")
         if group is None or not math.isfinite(s.value):
             continue
         if s.name == BATCHES:
-            batches[group] = batches.get(group, 0.0) + s.value
+            counts.setdefault(group, [0.0] * 4)[0] += s.value
         elif s.name == RECORDS:
-            records[group] = records.get(group, 0.0) + s.value
-    return {g: (batches.get(g, 0.0), records.get(g, 0.0)) for g in batches.keys() | records.keys()}
+            counts.setdefault(group, [0.0] * 4)[1] += s.value
+        elif s.name == REQUESTS:
+            row = counts.setdefault(group, [0.0] * 4)
+            row[3] += s.value
+            if s.labels.get("api") == "Fetch":
+                row[2] += s.value
+    return {g: (c[0], c[1], c[2], c[3]) for g, c in counts.items()}
 
 
 def per_job(before: Reading, after: Reading, jobs: int, seconds: float) -> dict[str, object]:
-    """Per job of the phase: PostgreSQL's commits and row writes; per consumer group, batches
-    per job, batches a second and records per batch."""
+    """Per job of the phase: PostgreSQL's commits and row writes, by table too; per consumer
+    group, batches per job, batches a second, records per batch and fetches per batch (a fetch
+    that brings nothing is a poll the broker answers all the same); broker requests in all."""
     if jobs <= 0:
         return {}
     pg = {
@@ -114,15 +121,18 @@ def per_job(before: Reading, after: Reading, jobs: int, seconds: float) -> dict[
             sum(pg.get(k, 0.0) for k in ("tup_inserted", "tup_updated", "tup_deleted")), 2
         )
     groups: dict[str, dict[str, float]] = {}
-    for key, (b1, r1) in sorted(after.groups.items()):
-        b0, r0 = before.groups.get(key, (0.0, 0.0))
-        batches, records = b1 - b0, r1 - r0
+    requests = 0.0
+    for key, (b1, r1, f1, q1) in sorted(after.groups.items()):
+        b0, r0, f0, q0 = before.groups.get(key, (0.0, 0.0, 0.0, 0.0))
+        batches, records, fetches = b1 - b0, r1 - r0, f1 - f0
+        requests += q1 - q0
         if batches <= 0:
             continue
         groups[f"{key[0]}/{key[1]}"] = {
             "batches_per_job": round(batches / jobs, 3),
             "batches_per_s": round(batches / seconds, 1) if seconds > 0 else math.nan,
             "records_per_batch": round(records / batches, 1),
+            "fetches_per_batch": round(fetches / batches, 1),
         }
     total = sum(g["batches_per_job"] for g in groups.values())
     written = {
@@ -130,7 +140,13 @@ def per_job(before: Reading, after: Reading, jobs: int, seconds: float) -> dict[
         for name, n in after.tables.items()
     }
     tables = dict(sorted(((k, v) for k, v in written.items() if v > 0), key=lambda kv: -kv[1]))
-    return {"pg": pg, "tables": tables, "batches_per_job": round(total, 2), "groups": groups}
+    return {
+        "pg": pg,
+        "tables": tables,
+        "batches_per_job": round(total, 2),
+        "consumer_requests_per_job": round(requests / jobs, 2),
+        "groups": groups,
+    }
 
 
 def print_counts(phase: str, counts: Mapping[str, object]) -> None:
@@ -149,9 +165,13 @@ def print_counts(phase: str, counts: Mapping[str, object]) -> None:
         print(f"{phase}, rows written per job by table (most first): {top}")
     groups = counts.get("groups") or {}
     if isinstance(groups, dict) and groups:
-        print(f"{phase}, consumer batches per job in all: {counts.get('batches_per_job')}")
+        print(
+            f"{phase}, consumer batches per job in all: {counts.get('batches_per_job')}; the "
+            f"consumers' requests to the broker per job: {counts.get('consumer_requests_per_job')}"
+        )
         for name, g in groups.items():
             print(
                 f"  {name:40s} {g['batches_per_job']:7.3f}/job {g['batches_per_s']:7.1f}/s "
-                f"{g['records_per_batch']:7.1f} records/batch"
+                f"{g['records_per_batch']:7.1f} records/batch "
+                f"{g['fetches_per_batch']:5.1f} fetches/batch"
             )

@@ -202,6 +202,56 @@ class ConsumerMetrics:
             buckets=DELAY_BUCKETS,
             registry=registry,
         )
+        self.requests = Counter(
+            "qm_consumer_kafka_requests_total",
+            "Requests the group's Kafka consumer sent the broker, by API (Fetch, Heartbeat, "
+            "OffsetCommit, ...), counted from its first batch",
+            ["group", "api"],
+            registry=registry,
+        )
+
+
+# The Kafka protocol's API keys of the requests a consumer sends; any other is named by number.
+KAFKA_APIS = {
+    0: "Produce",
+    1: "Fetch",
+    2: "ListOffsets",
+    3: "Metadata",
+    8: "OffsetCommit",
+    9: "OffsetFetch",
+    10: "FindCoordinator",
+    11: "JoinGroup",
+    12: "Heartbeat",
+    13: "LeaveGroup",
+    14: "SyncGroup",
+    18: "ApiVersions",
+}
+
+
+def count_requests(consumer: Any, requests: Counter, group: str) -> None:
+    """Count every request `consumer`'s client sends from now on, by API, under `group`.
+
+    aiokafka has no hook for this: its fetcher, coordinator and consumer all send through the
+    client's `send`, which is wrapped on this one client (once; a client without `send`, from
+    another aiokafka, is left as it is and counts nothing). Each request is what the broker
+    answers, so these say what a consumer costs the broker, polls with nothing in them included.
+    """
+    client = getattr(consumer, "_client", None)
+    send = getattr(client, "send", None)
+    if send is None or getattr(client, "_qm_counted", False):
+        return
+    children: dict[Any, Any] = {}
+
+    async def counted(node_id: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        key = getattr(request, "API_KEY", None)
+        child = children.get(key)
+        if child is None:
+            child = children[key] = requests.labels(group, KAFKA_APIS.get(key, str(key)))
+        child.inc()
+        return await send(node_id, request, *args, **kwargs)
+
+    client.send = counted
+    client._qm_counted = True
 
 
 class LagBook:
@@ -378,6 +428,7 @@ class Consumers:
         )
         group = Group(self, group_id, handle, give_up)
         lag = LagBook(self.metrics.lag, group_id)
+        requests = self.metrics.requests
 
         broker = self.broker
 
@@ -390,6 +441,7 @@ class Consumers:
             if message is None:
                 raise RuntimeError(f"no batch in FastStream's context for group {group_id}")
             started = time.monotonic()
+            count_requests(message.consumer, requests, group_id)
             records = records_of(message)
             if records:
                 pacer.saw_records(message.consumer)

@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import OffsetOutOfRangeError
 
 from schemas.topics import JOB_QUEUED
-from services.common.consumer import ConsumerMetrics, LagBook, lag_behind
+from services.common.consumer import ConsumerMetrics, LagBook, count_requests, lag_behind
 from services.common.pacing import FetchPacer
 
 log = structlog.get_logger()
@@ -108,6 +108,9 @@ class Feed:
                 max_partition_fetch_bytes=4 << 20,
             )
             await consumer.start()
+            if self._metrics is not None:
+                name = self._name_of(len(self._consumers))
+                count_requests(consumer, self._metrics.requests, name)
             self._consumers.append(consumer)
             pacer.attach(consumer, quiet=False)  # it has the log to read first
             partitions: list[TopicPartition] = []

@@ -18,16 +18,23 @@ def test_batches_and_records_per_group_from_a_services_page() -> None:
     metrics.batch.labels("queue-lifecycle").observe(0.1)
     metrics.records.labels("queue-lifecycle").inc(5)
     metrics.dead_letters.labels("queue").inc(2)  # other families of the group are not counted
+    metrics.requests.labels("queue", "Fetch").inc(7)
+    metrics.requests.labels("queue", "Heartbeat").inc(4)
+    metrics.requests.labels("queue", "OffsetCommit").inc(2)
 
     counts = group_counts(generate_latest(registry).decode())
 
-    assert counts == {"queue": (3.0, 30.0), "queue-lifecycle": (1.0, 5.0)}
+    # batches, records, fetches, requests of any kind
+    assert counts == {"queue": (3.0, 30.0, 7.0, 13.0), "queue-lifecycle": (1.0, 5.0, 0.0, 0.0)}
 
 
 def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
     before = Reading(
         pg={"xact_commit": 100.0, "tup_inserted": 1000.0, "tup_updated": 10.0, "tup_deleted": 0.0},
-        groups={("queue", "queue"): (10.0, 100.0), ("meter", "meter"): (5.0, 50.0)},
+        groups={
+            ("queue", "queue"): (10.0, 100.0, 20.0, 30.0),
+            ("meter", "meter"): (5.0, 50.0, 9.0, 9.0),
+        },
         tables={"queue.history": 500.0, "meter.runs": 70.0, "gateway.jobs": 10.0},
     )
     after = Reading(
@@ -38,9 +45,10 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
             "tup_deleted": 100.0,
         },
         groups={
-            ("queue", "queue"): (60.0, 1100.0),
-            ("meter", "meter"): (5.0, 50.0),  # no batch in the phase: left out
-            ("gateway", "gateway"): (4.0, 400.0),  # first seen after: counted from zero
+            ("queue", "queue"): (60.0, 1100.0, 120.0, 150.0),
+            # no batch in the phase: left out of the groups, its polls counted in all
+            ("meter", "meter"): (5.0, 50.0, 19.0, 19.0),
+            ("gateway", "gateway"): (4.0, 400.0, 8.0, 10.0),  # first seen after: from zero
         },
         tables={
             "queue.history": 900.0,
@@ -64,10 +72,17 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
             "batches_per_job": 0.04,
             "batches_per_s": 0.4,
             "records_per_batch": 100.0,
+            "fetches_per_batch": 2.0,
         },
-        "queue/queue": {"batches_per_job": 0.5, "batches_per_s": 5.0, "records_per_batch": 20.0},
+        "queue/queue": {
+            "batches_per_job": 0.5,
+            "batches_per_s": 5.0,
+            "records_per_batch": 20.0,
+            "fetches_per_batch": 2.0,
+        },
     }
     assert got["batches_per_job"] == 0.54
+    assert got["consumer_requests_per_job"] == 1.4  # (120 + 10 + 10) / 100
     # most written first
     assert list(got["tables"].items()) == [
         ("queue.history", 4.0),
