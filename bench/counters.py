@@ -35,6 +35,8 @@ class Reading:
     groups: dict[tuple[str, str], tuple[float, float, float, float]]
     # schema.table -> rows inserted, updated and deleted since the statistics were reset
     tables: dict[str, float] = field(default_factory=dict)
+    # the services whose /metrics answered this reading
+    answered: frozenset[str] = frozenset()
 
 
 class StackCounters:
@@ -45,8 +47,8 @@ class StackCounters:
         self.metrics = dict(metrics)  # service name -> its /metrics URL
 
     async def read(self) -> Reading:
-        (pg, tables), groups = await asyncio.gather(self._pg(), self._groups())
-        return Reading(pg, groups, tables)
+        (pg, tables), (groups, answered) = await asyncio.gather(self._pg(), self._groups())
+        return Reading(pg, groups, tables, answered)
 
     async def _pg(self) -> tuple[dict[str, float], dict[str, float]]:
         if not self.database_url:
@@ -64,15 +66,18 @@ class StackCounters:
                 )
             finally:
                 await conn.close()
-        except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        except Exception as exc:  # unreachable, refused, a bad URL, a server error
             # The counts are an aid to reading the figures: the bench goes on without them.
             print(f"PostgreSQL's counters not read ({type(exc).__name__}: {exc})")
             return {}, {}
         pg = {c: float(row[c]) for c in PG_COLUMNS} if row else {}
         return pg, {r["name"]: float(r["writes"]) for r in tables}
 
-    async def _groups(self) -> dict[tuple[str, str], tuple[float, float, float, float]]:
+    async def _groups(
+        self,
+    ) -> tuple[dict[tuple[str, str], tuple[float, float, float, float]], frozenset[str]]:
         out: dict[tuple[str, str], tuple[float, float, float, float]] = {}
+        answered = set()
         async with httpx.AsyncClient(timeout=5.0) as http:
             pages = await asyncio.gather(
                 *(http.get(url) for url in self.metrics.values()), return_exceptions=True
@@ -80,9 +85,10 @@ class StackCounters:
         for name, page in zip(self.metrics, pages, strict=True):
             if isinstance(page, BaseException) or page.status_code != 200:
                 continue  # a service that does not answer has no figures, not zeros
+            answered.add(name)
             for group, counts in group_counts(page.text).items():
                 out[(name, group)] = counts
-        return out
+        return out, frozenset(answered)
 
 
 def group_counts(page: str) -> dict[str, tuple[float, float, float, float]]:
@@ -111,41 +117,47 @@ def per_job(before: Reading, after: Reading, jobs: int, seconds: float) -> dict[
     that brings nothing is a poll the broker answers all the same); broker requests in all."""
     if jobs <= 0:
         return {}
-    pg = {
-        k: round((after.pg[k] - before.pg.get(k, 0.0)) / jobs, 2)
-        for k in after.pg
-        if k in before.pg
-    }
-    if pg:
-        pg["row_writes"] = round(
-            sum(pg.get(k, 0.0) for k in ("tup_inserted", "tup_updated", "tup_deleted")), 2
-        )
-    groups: dict[str, dict[str, float]] = {}
-    requests = 0.0
-    for key, (b1, r1, f1, q1) in sorted(after.groups.items()):
-        b0, r0, f0, q0 = before.groups.get(key, (0.0, 0.0, 0.0, 0.0))
-        batches, records, fetches = b1 - b0, r1 - r0, f1 - f0
-        requests += q1 - q0
+    # Only what both readings have: a store or service that did not answer before the phase
+    # would otherwise be charged everything it counted since it started.
+    delta = {k: after.pg[k] - before.pg[k] for k in after.pg if k in before.pg}
+    pg = {k: round(v / jobs, 2) for k, v in delta.items()}
+    if delta:
+        writes = sum(delta.get(k, 0.0) for k in ("tup_inserted", "tup_updated", "tup_deleted"))
+        pg["row_writes"] = round(writes / jobs, 2)
+    written = (
+        {name: (n - before.tables.get(name, 0.0)) / jobs for name, n in after.tables.items()}
+        if before.tables
+        else {}
+    )
+    tables = {k: round(v, 2) for k, v in sorted(written.items(), key=lambda kv: -kv[1]) if v > 0}
+    groups: dict[str, dict[str, float | None]] = {}
+    batches_in_all = requests = 0.0
+    restarted = []
+    for key, now in sorted(after.groups.items()):
+        if key[0] not in before.answered or key[0] not in after.answered:
+            continue
+        was = before.groups.get(key, (0.0, 0.0, 0.0, 0.0))  # a group new since: from zero
+        if any(n < w for n, w in zip(now, was, strict=True)):
+            restarted.append(f"{key[0]}/{key[1]}")  # counters went back: not this phase's
+            continue
+        batches, records, fetches, sent = (n - w for n, w in zip(now, was, strict=True))
+        requests += sent
         if batches <= 0:
             continue
+        batches_in_all += batches
         groups[f"{key[0]}/{key[1]}"] = {
             "batches_per_job": round(batches / jobs, 3),
-            "batches_per_s": round(batches / seconds, 1) if seconds > 0 else math.nan,
+            "batches_per_s": round(batches / seconds, 1) if seconds > 0 else None,
             "records_per_batch": round(records / batches, 1),
             "fetches_per_batch": round(fetches / batches, 1),
         }
-    total = sum(g["batches_per_job"] for g in groups.values())
-    written = {
-        name: round((n - before.tables.get(name, 0.0)) / jobs, 2)
-        for name, n in after.tables.items()
-    }
-    tables = dict(sorted(((k, v) for k, v in written.items() if v > 0), key=lambda kv: -kv[1]))
     return {
         "pg": pg,
         "tables": tables,
-        "batches_per_job": round(total, 2),
+        "batches_per_job": round(batches_in_all / jobs, 2),
         "consumer_requests_per_job": round(requests / jobs, 2),
         "groups": groups,
+        "restarted": restarted,
     }
 
 
@@ -164,14 +176,18 @@ def print_counts(phase: str, counts: Mapping[str, object]) -> None:
         top = ", ".join(f"{name} {n:.1f}" for name, n in list(tables.items())[:TOP_TABLES])
         print(f"{phase}, rows written per job by table (most first): {top}")
     groups = counts.get("groups") or {}
-    if isinstance(groups, dict) and groups:
+    if isinstance(groups, dict) and (groups or counts.get("consumer_requests_per_job")):
         print(
             f"{phase}, consumer batches per job in all: {counts.get('batches_per_job')}; the "
             f"consumers' requests to the broker per job: {counts.get('consumer_requests_per_job')}"
         )
         for name, g in groups.items():
+            per_s = g["batches_per_s"]
             print(
-                f"  {name:40s} {g['batches_per_job']:7.3f}/job {g['batches_per_s']:7.1f}/s "
+                f"  {name:40s} {g['batches_per_job']:7.3f}/job "
+                f"{per_s if per_s is not None else float('nan'):7.1f}/s "
                 f"{g['records_per_batch']:7.1f} records/batch "
                 f"{g['fetches_per_batch']:5.1f} fetches/batch"
             )
+    if counts.get("restarted"):
+        print(f"{phase}, left out (their counters went back: restarted?): {counts['restarted']}")

@@ -211,12 +211,11 @@ class ConsumerMetrics:
         )
 
 
-# The Kafka protocol's API keys of the requests a consumer sends; any other is named by number.
+# The Kafka protocol's API keys of the requests a consumer sends through its client's `send`;
+# any other is named by number.
 KAFKA_APIS = {
-    0: "Produce",
     1: "Fetch",
     2: "ListOffsets",
-    3: "Metadata",
     8: "OffsetCommit",
     9: "OffsetFetch",
     10: "FindCoordinator",
@@ -224,17 +223,18 @@ KAFKA_APIS = {
     12: "Heartbeat",
     13: "LeaveGroup",
     14: "SyncGroup",
-    18: "ApiVersions",
 }
 
 
 def count_requests(consumer: Any, requests: Counter, group: str) -> None:
     """Count every request `consumer`'s client sends from now on, by API, under `group`.
 
-    aiokafka has no hook for this: its fetcher, coordinator and consumer all send through the
-    client's `send`, which is wrapped on this one client (once; a client without `send`, from
-    another aiokafka, is left as it is and counts nothing). Each request is what the broker
-    answers, so these say what a consumer costs the broker, polls with nothing in them included.
+    aiokafka has no hook for this: its fetcher and group coordinator send through the client's
+    `send`, which is wrapped on this one client (once; a client without `send`, from another
+    aiokafka, is left as it is and counts nothing). Each request is one the broker answers, so
+    these say what a consumer costs the broker, polls with nothing in them included. Not
+    counted: metadata requests and a new connection's version handshake, which aiokafka sends
+    on the connection itself (a refresh every few minutes, and after a connection breaks).
     """
     client = getattr(consumer, "_client", None)
     send = getattr(client, "send", None)

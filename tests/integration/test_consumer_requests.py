@@ -66,27 +66,32 @@ async def test_a_service_consumers_requests_are_counted_by_api(topics_ready: str
 
 
 async def test_the_scheduler_feeds_requests_are_counted_per_reader(topics_ready: str) -> None:
-    topic = await fresh_topic(topics_ready, "requests")
+    cold = await fresh_topic(topics_ready, "requests-cold")
+    hot = await fresh_topic(topics_ready, "requests-hot")
     registry = CollectorRegistry()
     applied: list[Any] = []
     feed = Feed(
         topics_ready,
-        (topic,),
+        (cold, hot),
         20,
         applied.extend,
-        hot=(),
+        hot=(hot,),
         metrics=ConsumerMetrics(registry),
         name="feed-under-test",
     )
     await feed.start()
     runner = asyncio.create_task(feed.run())
     try:
-        await produce(topics_ready, topic, [("k", b"one")])
-        await eventually(lambda: [r.value for r in applied] == [b"one"])
-        before = count(registry, "feed-under-test-cold", "Fetch")
-        assert before >= 1
-        await eventually(lambda: count(registry, "feed-under-test-cold", "Fetch") >= before + 5)
-        assert count(registry, "feed-under-test-hot", "Fetch") == 0  # it has no hot reader
+        await produce(topics_ready, hot, [("k", b"hot")])
+        await produce(topics_ready, cold, [("k", b"cold")])
+        await eventually(lambda: sorted(r.value for r in applied) == [b"cold", b"hot"])
+        # Each reader under its own name, from its start, and each goes on polling.
+        for name in ("feed-under-test-hot", "feed-under-test-cold"):
+            before = count(registry, name, "Fetch")
+            assert before >= 1
+            await eventually(
+                lambda name=name, before=before: count(registry, name, "Fetch") >= before + 5
+            )
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)

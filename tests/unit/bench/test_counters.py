@@ -28,6 +28,9 @@ def test_batches_and_records_per_group_from_a_services_page() -> None:
     assert counts == {"queue": (3.0, 30.0, 7.0, 13.0), "queue-lifecycle": (1.0, 5.0, 0.0, 0.0)}
 
 
+ANSWERED = frozenset({"queue", "meter", "gateway"})
+
+
 def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
     before = Reading(
         pg={"xact_commit": 100.0, "tup_inserted": 1000.0, "tup_updated": 10.0, "tup_deleted": 0.0},
@@ -36,6 +39,7 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
             ("meter", "meter"): (5.0, 50.0, 9.0, 9.0),
         },
         tables={"queue.history": 500.0, "meter.runs": 70.0, "gateway.jobs": 10.0},
+        answered=ANSWERED,
     )
     after = Reading(
         pg={
@@ -56,6 +60,7 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
             "gateway.jobs": 310.0,
             "queue.outbox": 50.0,  # first seen after
         },
+        answered=ANSWERED,
     )
 
     got = per_job(before, after, jobs=100, seconds=10.0)
@@ -89,6 +94,34 @@ def test_per_job_is_the_phases_difference_divided_by_its_jobs() -> None:
         ("gateway.jobs", 3.0),
         ("queue.outbox", 0.5),
     ]
+
+
+def test_only_what_both_readings_have_is_counted() -> None:
+    """A service that did not answer before the phase, PostgreSQL unread before it, or a
+    service whose counters went back (it restarted) would be charged what it counted since it
+    started: each is left out, and a restart is named."""
+    before = Reading(
+        pg={},  # PostgreSQL could not be read
+        groups={("queue", "queue"): (50.0, 500.0, 60.0, 80.0)},
+        tables={},
+        answered=frozenset({"queue"}),  # the gateway did not answer
+    )
+    after = Reading(
+        pg={"xact_commit": 900.0},
+        groups={
+            ("queue", "queue"): (5.0, 40.0, 6.0, 9.0),  # restarted in the phase
+            ("gateway", "gateway"): (400.0, 4000.0, 800.0, 900.0),
+        },
+        tables={"queue.history": 9000.0},
+        answered=frozenset({"queue", "gateway"}),
+    )
+
+    got = per_job(before, after, jobs=10, seconds=1.0)
+
+    assert got["pg"] == {} and got["tables"] == {}
+    assert got["groups"] == {}
+    assert got["consumer_requests_per_job"] == 0.0
+    assert got["restarted"] == ["queue/queue"]
 
 
 def test_no_jobs_no_figures() -> None:
