@@ -1,7 +1,8 @@
-"""Every request a consumer sends the broker is counted, by API, on the real broker and
-clients: a service consumer's from its first batch (its fetches go on while nothing comes,
-and each is counted), the scheduler feed's readers from their start. aiokafka has no hook for
-this; an upgrade that stops sending through the client's `send` fails here."""
+"""A consumer's requests to the broker are counted by API, on the real broker and clients: a
+service consumer's from its first batch (its fetches go on while nothing comes, and each is
+counted), the scheduler feed's readers from their start. aiokafka has no hook for this; an
+upgrade that stops sending fetches, commits or heartbeats through the client's `send` fails
+here. (Metadata requests go around `send` and are not counted: docs/metrics.md.)"""
 
 from __future__ import annotations
 
