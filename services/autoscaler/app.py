@@ -234,7 +234,7 @@ def create_app(settings: AutoscalerSettings | None = None) -> FastAPI:
             planner.failing[r["pool"]] = Incident(r["pool"], r["cluster"], r["cause"], r["since"])
         state["planner"] = planner
         runtime.background(decide_loop)
-        await broker.start()
+        await consumers.start()
         log.info("autoscaler started", pools=[p.name for p in pools])
 
     app = create_http_app(runtime)

@@ -28,7 +28,7 @@ async def open_outboxed(
     pruners: Mapping[str, tuple[Pruner, float]] | None = None,
 ) -> tuple[asyncpg.Pool, OutboxRelay]:
     """Call from a start-up hook, before the service's own initialisation; start the broker
-    (`await broker.start()`) once that is done. Housekeeping prunes `processed_events` and
+    (`await consumers.start()`) once that is done. Housekeeping prunes `processed_events` and
     whatever `pruners` (table -> pruner, retention in seconds) the service adds."""
     settings = runtime.settings
     pool = await create_pool(settings.database_url, settings.db_pool_size)

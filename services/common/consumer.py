@@ -205,7 +205,7 @@ class ConsumerMetrics:
         self.requests = Counter(
             "qm_consumer_kafka_requests_total",
             "Requests the group's Kafka consumer sent the broker, by API (Fetch, Heartbeat, "
-            "OffsetCommit, ...), counted from its first batch",
+            "OffsetCommit, ...), counted from the service's start",
             ["group", "api"],
             registry=registry,
         )
@@ -387,9 +387,20 @@ class Consumers:
         self.probe: Probe | None = None
         # Where dead letters and alerts go; the real broker unless a test swaps it.
         self.publish: Callable[[Sequence[OutMessage]], Awaitable[Any]] = self._publish
+        self._subscribers: list[tuple[Any, str]] = []  # (FastStream subscriber, group)
 
     async def _publish(self, messages: Sequence[OutMessage]) -> Any:
         return await publish_all(self.broker, messages)
+
+    async def start(self) -> None:
+        """Start the broker, and so every subscription; each group's requests to the broker are
+        counted from now (`count_requests`), a group that never gets a record included. A
+        consumer FastStream makes anew later is counted from its first batch."""
+        await self.broker.start()
+        for subscriber, group_id in self._subscribers:
+            consumer = getattr(subscriber, "consumer", None)
+            if consumer is not None:
+                count_requests(consumer, self.metrics.requests, group_id)
 
     def subscribe(
         self,
@@ -426,6 +437,7 @@ class Consumers:
             parser=_tolerate_headers,
             decoder=_leave_undecoded,
         )
+        self._subscribers.append((subscriber, group_id))
         group = Group(self, group_id, handle, give_up)
         lag = LagBook(self.metrics.lag, group_id)
         requests = self.metrics.requests

@@ -248,7 +248,7 @@ def create_app(settings: ExecutorSettings | None = None) -> FastAPI:
             runtime.background(random_mode.run_forever)
             if pool_book.pools:
                 runtime.background(elastic[0].run_forever)
-        await broker.start()
+        await consumers.start()
 
     async def publish_probe(probe: NodeProbe) -> None:
         env = envelope_for("NodeProbe", probe, producer=producer)

@@ -132,7 +132,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.scrape_client = scrape_client()
         consumers.probe = lambda: pool.fetchval("SELECT 1")
         runtime.background(consumers.committer.run_forever)
-        await broker.start()
+        await consumers.start()
 
         async def close() -> None:
             await consumers.committer.flush()

@@ -133,7 +133,7 @@ def create_app(settings: HealthSettings | None = None) -> FastAPI:
             )
             await watch["slo"].load()
             runtime.background(slo_loop)
-        await broker.start()
+        await consumers.start()
 
     app = create_http_app(runtime)
     app.state.runtime = runtime

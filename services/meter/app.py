@@ -88,7 +88,7 @@ def create_app(settings: MeterSettings | None = None) -> FastAPI:
         runtime.background(consumers.committer.run_forever)
         runtime.background(clock)
         start_housekeeping(runtime, pool, store.SCHEMA)
-        await broker.start()
+        await consumers.start()
 
         async def close() -> None:
             await consumers.committer.flush()

@@ -80,7 +80,7 @@ def create_app(settings: PreemptorSettings | None = None) -> FastAPI:
             stop_answer_timeout_s=settings.stop_answer_timeout_s,
         )
         runtime.background(timer_loop)
-        await broker.start()
+        await consumers.start()
 
     app = create_http_app(runtime)
     app.state.runtime = runtime

@@ -59,7 +59,7 @@ def create_app(settings: QueueSettings | None = None) -> FastAPI:
             time_scale=settings.time_scale,
             tracing=runtime.tracing,
         )
-        await broker.start()
+        await consumers.start()
 
     app = create_http_app(runtime)
     app.state.runtime = runtime

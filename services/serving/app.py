@@ -361,7 +361,7 @@ def create_app(settings: ServingSettings | None = None) -> FastAPI:
         state["relay"], state["pool"] = relay, pool
         await load_books()
         runtime.background(decide_loop)
-        await broker.start()
+        await consumers.start()
         log.info("serving started", services=len(book.services), replicas=len(book.replicas))
 
     app = create_http_app(runtime)

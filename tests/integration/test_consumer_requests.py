@@ -1,8 +1,9 @@
 """A consumer's requests to the broker are counted by API, on the real broker and clients: a
-service consumer's from its first batch (its fetches go on while nothing comes, and each is
-counted), the scheduler feed's readers from their start. aiokafka has no hook for this; an
-upgrade that stops sending fetches, commits or heartbeats through the client's `send` fails
-here. (Metadata requests go around `send` and are not counted: docs/metrics.md.)"""
+service consumer's from the service's start, before any record comes (its fetches go on while
+nothing comes, and each is counted), the scheduler feed's readers from their start. aiokafka
+has no hook for this; an upgrade that stops sending fetches, commits or heartbeats through
+the client's `send` fails here. (Metadata requests go around `send` and are not counted:
+docs/metrics.md.)"""
 
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ async def test_a_service_consumers_requests_are_counted_by_api(topics_ready: str
         seen.extend(r.value for r in records)
 
     consumers.subscribe(topic, group_id=group, handle=handle)
-    await broker.start()
+    await consumers.start()
     try:
+        # Counted before any record: a group with nothing to read still polls the broker.
+        await eventually(lambda: count(registry, group, "Fetch") >= 5)
         await produce(topics_ready, topic, [("k", b"one")])
         await eventually(lambda: seen == [b"one"])
         # Nothing more comes, and the consumer goes on asking every 20 ms: each is counted.
