@@ -55,6 +55,11 @@ class Tail:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
+            # An audit must see every record. aiokafka's default answers a fetch the broker
+            # calls out of range by jumping to the end, past whatever was written in between,
+            # silently; from the start again, the records already read are read twice and
+            # counted once (the evidence dedupes by event id).
+            auto_offset_reset="earliest",
             fetch_max_wait_ms=50,
             max_partition_fetch_bytes=8 << 20,
         )
