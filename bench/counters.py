@@ -93,7 +93,7 @@ class StackCounters:
 
 def group_counts(page: str) -> dict[str, tuple[float, float, float, float]]:
     """Per consumer group on one /metrics page: (batches, records, fetches, every request to
-    the broker) since the service started (requests: since the group's first batch)."""
+    the broker) since the service started."""
     counts: dict[str, list[float]] = {}
     for s in parse_metrics(page):
         group = s.labels.get("group")
