@@ -17,6 +17,7 @@ from faststream.kafka.prometheus import KafkaPrometheusMiddleware
 from prometheus_client import CollectorRegistry
 
 from schemas.envelope import Envelope
+from services.common.partitioner import KeyPartitioner
 from services.common.settings import ServiceSettings
 
 # publish_batch and bursts of sends overflow aiokafka's 16 KB default batch (INFRA.md).
@@ -67,6 +68,8 @@ def make_broker(
         # A message counts as published only once every in-sync replica has it: with acks=1
         # a leader failover could lose an event whose outbox row was already deleted.
         acks="all",
+        # aiokafka's choice of partition, without its byte-by-byte hash in Python on every send
+        partitioner=KeyPartitioner(),
         middlewares=middlewares,
         logger=None,
     )

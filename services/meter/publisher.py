@@ -2,8 +2,8 @@
 `send`, each message costs tens of microseconds, which at tens of thousands of ticks a second
 was most of the meter's CPU. This publisher takes a relay's whole batch (`send_many`, or
 `publish` calls gathered until the relay yields) and sends it as aiokafka batches, one per
-partition, keyed exactly as aiokafka's default partitioner would (murmur2 of the key), so
-per-tenant order and partitioning are unchanged.
+partition, keyed exactly as aiokafka's default partitioner would (murmur2 of the key,
+services.common.partitioner), so per-tenant order and partitioning are unchanged.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
-from aiokafka.partitioner import murmur2
 
 from services.common.errors import refused_for_good
 from services.common.kafka import MAX_PRODUCER_BATCH, Outcome, Wire
+from services.common.partitioner import KeyPartitioner, partition_of
 
 Pending = tuple[bytes, bytes, Sequence[tuple[str, bytes]], asyncio.Future[Any]]
 # A message of `send_many`: its index in the call, key, value and encoded headers.
@@ -35,6 +35,7 @@ def relay_producer(bootstrap: str, client_id: str) -> AIOKafkaProducer:
         max_request_size=MAX_REQUEST,
         linger_ms=1,
         acks="all",
+        partitioner=KeyPartitioner(),
     )
 
 
@@ -54,7 +55,7 @@ class BatchPublisher:
 
     async def _partition(self, topic: str, key: bytes) -> int:
         """The partition aiokafka's default partitioner picks (murmur2 of the key), kept per
-        key: murmur2 is pure Python, and a tick's key is its tenant."""
+        key: the hash is Python, and a tick's key is its tenant."""
         found = self._keyed.get((topic, key))
         if found is not None:
             return found
@@ -63,7 +64,7 @@ class BatchPublisher:
             partitions = self._partitions[topic] = sorted(await self.producer.partitions_for(topic))
         if len(self._keyed) >= MAX_KEYS:
             self._keyed.clear()
-        chosen: int = partitions[(murmur2(key) & 0x7FFFFFFF) % len(partitions)]
+        chosen = partition_of(key, partitions)
         self._keyed[(topic, key)] = chosen
         return chosen
 
