@@ -164,6 +164,8 @@ class Runtime:
         timer.start()
 
     async def _start(self) -> None:
+        if _own_process:  # only a service's own process: a test's collector is left alone
+            gc.set_threshold(self.settings.gc_young_threshold, *gc.get_threshold()[1:])
         for hook in self.startup:
             await hook()
         if self.settings.gc_freeze and _own_process:

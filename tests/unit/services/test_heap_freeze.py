@@ -1,6 +1,7 @@
 """A service's own process freezes its start-up heap out of the garbage collector's reach once
-start-up is done (unless QM_GC_FREEZE=0); a runtime started inside another process (a test's)
-leaves that process's collector alone."""
+start-up is done (unless QM_GC_FREEZE=0) and collects its young objects less often
+(QM_GC_YOUNG_THRESHOLD); a runtime started inside another process (a test's) leaves that
+process's collector alone."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ service = runtime.Runtime("t", ServiceSettings())
 async def start():
     async with service.lifespan(FastAPI()):
         print(gc.get_freeze_count())
+        print("threshold", *gc.get_threshold())
 
 asyncio.run(start())
 """
@@ -53,9 +55,33 @@ def test_a_service_process_freezes_its_heap_after_start_up(setting: str, frozen:
     assert ("heap frozen" in done.stdout + done.stderr) is frozen
 
 
-def test_a_runtime_inside_another_process_does_not_freeze_it() -> None:
+def thresholds(env: dict[str, str]) -> tuple[int, ...]:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("threshold ")]
+    return tuple(int(n) for n in line.split()[1:])
+
+
+def test_a_service_process_collects_young_objects_less_often() -> None:
+    default = ServiceSettings().gc_young_threshold
+    assert default > 700  # Python's own
+    assert thresholds({})[0] == default
+    assert thresholds({"QM_GC_YOUNG_THRESHOLD": "700"})[0] == 700
+    # the older generations' settings stay Python's
+    assert thresholds({})[1:] == gc.get_threshold()[1:]
+
+
+def test_a_runtime_inside_another_process_leaves_its_collector_alone() -> None:
     before = gc.get_freeze_count()
-    service = Runtime("t", ServiceSettings())
+    threshold = gc.get_threshold()
+    service = Runtime("t", ServiceSettings(gc_young_threshold=50_000))
 
     async def start() -> None:
         async with service.lifespan(FastAPI()):
@@ -63,3 +89,4 @@ def test_a_runtime_inside_another_process_does_not_freeze_it() -> None:
 
     asyncio.run(start())
     assert gc.get_freeze_count() == before
+    assert gc.get_threshold() == threshold
