@@ -176,3 +176,48 @@ def test_an_ordinary_event_takes_the_fast_path_and_reads_the_same() -> None:
     )
     assert plain(raw)
     assert parse_envelope(raw) == Envelope.model_validate(json.loads(raw))
+
+
+def _nesting(doc: object) -> int:
+    if isinstance(doc, dict):
+        return 1 + max(map(_nesting, doc.values()), default=0)
+    if isinstance(doc, list):
+        return 1 + max(map(_nesting, doc), default=0)
+    return 0
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.characters(), max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=60,
+)
+
+
+@given(_JSON)
+def test_the_depth_outside_strings_is_the_documents_nesting(doc: object) -> None:
+    from schemas.bounds import _depth
+
+    raw = json.dumps(doc, ensure_ascii=False).encode()
+    if b"\\" in raw:
+        return  # escaped quotes: the fast path never measures such bytes
+    assert _depth(raw) == _nesting(doc)
+
+
+def test_many_shallow_objects_take_the_fast_path_and_one_deep_one_does_not() -> None:
+    from schemas.bounds import plain
+
+    shallow = {"jobs": [{"job_id": f"j-{i}", "types": ["h100"]} for i in range(2000)]}
+    assert plain(json.dumps(shallow).encode())
+    # brackets inside strings are text, however many
+    assert plain(json.dumps({"a": "[{" * 100}).encode())
+    nested: object = 1
+    for _ in range(MAX_JSON_DEPTH):  # one level past the limit, below the 2,000 shallow ones
+        nested = [nested]
+    deep = {"jobs": shallow["jobs"], "last": nested}
+    raw = json.dumps(deep).encode()
+    assert not plain(raw)
+    with pytest.raises(WireError):
+        parse_json(raw)
+    assert _nesting(deep) == MAX_JSON_DEPTH + 1
