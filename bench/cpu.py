@@ -36,6 +36,29 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+def memory_mb(processes: Mapping[str, int]) -> dict[str, dict[str, float]]:
+    """name -> {"rss": resident MB now, "peak": the most it was resident (Linux's VmHWM)} of
+    each process still running; a process that is gone, or a platform without /proc, is left
+    out."""
+    out: dict[str, dict[str, float]] = {}
+    for name, pid in processes.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(
+            line.split(":", 1)
+            for line in status.splitlines()
+            if line.startswith(("VmRSS", "VmHWM"))
+        )
+        if "VmRSS" in fields and "VmHWM" in fields:
+            out[name] = {
+                "rss": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
+                "peak": round(int(fields["VmHWM"].split()[0]) / 1024, 1),
+            }
+    return out
+
+
 def postgres_backends() -> dict[int, psutil.Process]:
     """Every PostgreSQL process on the machine (the postmaster and its backends): the
     database serves the services, so its CPU belongs to the platform's bill."""

@@ -13,7 +13,8 @@ When the bench starts the stack itself it also reports CPU seconds per 1,000 job
 process (each service, the broker, PostgreSQL) in both phases, the cores each keeps busy while
 nothing is submitted (`idle_cores`; polling the broker is most of it), and per job in each
 phase PostgreSQL's commits and row writes (by table too) and every consumer group's batches
-and fetches (`counts_per_job`, bench/counters.py); with --profile, the top frames of each service
+and fetches (`counts_per_job`, bench/counters.py), and each process's resident memory after the
+burst and the most it held (`rss_mb`, `peak_rss_mb`); with --profile, the top frames of each service
 (bench/cpu.py) are printed and written to DIR/summary.txt.
 """
 
@@ -41,6 +42,7 @@ from bench.cpu import (
     CpuMeter,
     Profiler,
     is_python,
+    memory_mb,
     per_thousand,
     pids_of,
     print_summary,
@@ -223,6 +225,19 @@ def idle_report(used: dict[str, float], seconds: float) -> dict[str, float]:
     return {**per, "total": total}
 
 
+def memory_report(pids: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Each process's resident memory after the burst, and the most it ever held."""
+    memory = memory_mb(pids)
+    if memory:
+        total = sum(m["rss"] for m in memory.values())
+        parts = ", ".join(
+            f"{n} {m['rss']:.0f} (peak {m['peak']:.0f})"
+            for n, m in sorted(memory.items(), key=lambda kv: -kv[1]["peak"])
+        )
+        print(f"memory after the burst, MB resident: {total:.0f} in all ({parts})")
+    return memory
+
+
 @contextlib.contextmanager
 def profiling(args: argparse.Namespace, pids: dict[str, int], phase: str) -> Iterator[bool]:
     """py-spy on every Python process of the stack during `phase`, if that is the phase
@@ -312,6 +327,7 @@ async def measure(
             print_counts("overload", counted["burst"])
             if profiled:
                 write_summary(args.profile, cpu.get("burst", {}))
+            memory = memory_report(pids)
             done = sorted(observer.placed[j] for j in burst if j in observer.placed)
             sustained = sustained_rate(done)
             queued_rate = sustained_rate(
@@ -341,6 +357,8 @@ async def measure(
         "cpu_s_per_1000_jobs": cpu,
         "counts_per_job": counted,
         "idle_cores": idle,
+        "peak_rss_mb": {name: m["peak"] for name, m in memory.items()},
+        "rss_mb": {name: m["rss"] for name, m in memory.items()},
     }
 
 
