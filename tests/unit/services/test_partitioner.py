@@ -41,7 +41,7 @@ def test_the_partition_is_the_default_partitioners(key: bytes, count: int) -> No
     assert partition_of(key, partitions) == expected
 
 
-def test_one_partition_takes_every_key_unhashed() -> None:
+def test_a_topic_of_one_partition_takes_every_key() -> None:
     assert partition_of(b"anything", [7]) == 7
     assert KeyPartitioner()(b"", [0], []) == 0
 
