@@ -7,6 +7,13 @@ smaller batches; more transactions; more rows) or from each unit costing more.
 PostgreSQL's counters are approximate at a phase's edges: a backend reports its counts at the
 end of a transaction at most once a second (and an idle one within ten), so up to about a
 second of each busy backend's work can fall into the next reading.
+
+WAL (`pg_stat_wal`: records, full-page images, bytes) is the whole server's, not the
+database's: on a server other work shares, its figures hold that work too. Every row written
+costs a heap record, one record per index it enters (an update that is not HOT enters every
+index again), and a lock record where it was locked first (`FOR UPDATE`, `ON CONFLICT DO
+UPDATE`); an `ON CONFLICT` insert adds a confirmation. So WAL records per job, beside row
+writes and HOT updates per job, tell how much each row write cost PostgreSQL.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import httpx
 from services.common.scrape import parse_metrics
 
 PG_COLUMNS = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_deleted")
+WAL_COLUMNS = ("wal_records", "wal_fpi", "wal_bytes")  # pg_stat_wal, PostgreSQL 14 and later
 BATCHES = "qm_consumer_batch_seconds_count"
 RECORDS = "qm_consumer_records_total"
 REQUESTS = "qm_consumer_kafka_requests_total"
@@ -62,8 +70,10 @@ class StackCounters:
                 )
                 tables = await conn.fetch(
                     "SELECT schemaname || '.' || relname AS name,"
-                    " n_tup_ins + n_tup_upd + n_tup_del AS writes FROM pg_stat_user_tables"
+                    " n_tup_ins + n_tup_upd + n_tup_del AS writes,"
+                    " n_tup_hot_upd AS hot FROM pg_stat_user_tables"
                 )
+                wal = await _wal(conn)
             finally:
                 await conn.close()
         except Exception as exc:  # unreachable, refused, a bad URL, a server error
@@ -71,6 +81,9 @@ class StackCounters:
             print(f"PostgreSQL's counters not read ({type(exc).__name__}: {exc})")
             return {}, {}
         pg = {c: float(row[c]) for c in PG_COLUMNS} if row else {}
+        if row:
+            pg["tup_hot_updated"] = float(sum(r["hot"] for r in tables))
+        pg.update(wal)
         return pg, {r["name"]: float(r["writes"]) for r in tables}
 
     async def _groups(
@@ -89,6 +102,14 @@ class StackCounters:
             for group, counts in group_counts(page.text).items():
                 out[(name, group)] = counts
         return out, frozenset(answered)
+
+
+async def _wal(conn: asyncpg.Connection) -> dict[str, float]:
+    try:
+        row = await conn.fetchrow(f"SELECT {', '.join(WAL_COLUMNS)} FROM pg_stat_wal")
+    except asyncpg.PostgresError:  # before PostgreSQL 14, or not allowed to read it
+        return {}
+    return {c: float(row[c]) for c in WAL_COLUMNS} if row else {}
 
 
 def group_counts(page: str) -> dict[str, tuple[float, float, float, float]]:
@@ -169,8 +190,14 @@ def print_counts(phase: str, counts: Mapping[str, object]) -> None:
         print(
             f"{phase}, PostgreSQL per job: {pg.get('xact_commit', 0):.2f} commits, "
             f"{pg.get('row_writes', 0):.1f} row writes (ins {pg.get('tup_inserted', 0):.1f} "
-            f"upd {pg.get('tup_updated', 0):.1f} del {pg.get('tup_deleted', 0):.1f})"
+            f"upd {pg.get('tup_updated', 0):.1f}, of them HOT {pg.get('tup_hot_updated', 0):.1f};"
+            f" del {pg.get('tup_deleted', 0):.1f})"
         )
+        if "wal_records" in pg:
+            print(
+                f"{phase}, WAL per job (the whole server's): {pg['wal_records']:.1f} records, "
+                f"{pg.get('wal_bytes', 0) / 1024:.1f} KiB, {pg.get('wal_fpi', 0):.2f} full pages"
+            )
     tables = counts.get("tables") or {}
     if isinstance(tables, dict) and tables:
         top = ", ".join(f"{name} {n:.1f}" for name, n in list(tables.items())[:TOP_TABLES])
