@@ -56,27 +56,28 @@ async def claim_events(conn: asyncpg.Connection, schema: str, event_ids: Sequenc
 
 @dataclass(frozen=True)
 class Staged:
-    """Messages written to the outbox in an open transaction, with their row ids."""
+    """Messages written to the outbox in an open transaction, as written (each encoded once:
+    the relay sends the very bytes the row holds), with their row ids."""
 
-    messages: tuple[OutMessage, ...] = ()
+    rows: tuple[Row, ...] = ()
     ids: tuple[int, ...] = ()
 
 
 async def add_to_outbox(
     conn: asyncpg.Connection, schema: str, messages: Iterable[OutMessage]
 ) -> Staged:
-    msgs = tuple(messages)
-    if not msgs:
+    rows = tuple(row_of(m) for m in messages)
+    if not rows:
         return Staged()
-    rows = await conn.fetch(
+    written = await conn.fetch(
         f'INSERT INTO "{schema}".outbox (topic, key, event_type, value) '
         "SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) RETURNING id",
-        [m.topic for m in msgs],
-        [m.key for m in msgs],
-        [m.envelope.type for m in msgs],
-        [m.encode() for m in msgs],
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        [r[2] for r in rows],
+        [r[3] for r in rows],
     )
-    return Staged(msgs, tuple(sorted(r["id"] for r in rows)))
+    return Staged(rows, tuple(sorted(r["id"] for r in written)))
 
 
 class Transaction:
@@ -212,7 +213,7 @@ class OutboxRelay:
                 return 0
             ids = [i for st in queued for i in st.ids]
             try:
-                await self._publish([row_of(m) for st in queued for m in st.messages])
+                await self._publish([row for st in queued for row in st.rows])
                 try:
                     await self._pool.execute(
                         f'DELETE FROM "{self._schema}".outbox WHERE id = ANY($1::bigint[])', ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -144,3 +145,67 @@ async def test_rows_the_broker_has_are_not_sent_again_when_their_delete_failed(
         await broker.stop()
         await pool.close()
         await admin.close()
+
+
+ENCODED: list[str] = []
+
+
+@dataclass(frozen=True)
+class CountedMessage(OutMessage):
+    """An OutMessage that notes each time it is encoded."""
+
+    def encode(self) -> bytes:
+        ENCODED.append(self.key)
+        return super().encode()
+
+
+async def test_a_message_is_encoded_once_and_sent_as_its_row_holds_it(
+    topics_ready: str, fresh_database_url: str
+) -> None:
+    """Encoding an event (pydantic's dump of the envelope and its payload) is a large part of
+    what a service spends per event it announces: the relay sends the bytes written to the
+    outbox row, it does not encode the message again."""
+    schema = "relay_once"
+    pool = await asyncpg.create_pool(fresh_database_url, min_size=1, max_size=2)
+    assert pool is not None
+    await pool.execute(
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
+        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
+        " created_at timestamptz NOT NULL DEFAULT now())"
+    )
+    broker = make_broker(ServiceSettings(kafka_bootstrap=topics_ready), "relay-test")
+    await broker.connect()
+    run = uuid.uuid4().hex[:8]
+    messages = [
+        CountedMessage(
+            topics.JOB_CANCEL_REQUESTED,
+            f"{run}-{i}",
+            envelope_for(
+                "JobCancelRequested",
+                {"job_id": f"{run}-{i}", "requested_by": "relay-test", "reason": "once"},
+                producer="relay-test",
+            ),
+        )
+        for i in range(3)
+    ]
+    ENCODED.clear()
+    try:
+        relay = OutboxRelay(pool, broker, schema)
+        async with pool.acquire() as conn, conn.transaction():
+            staged = await add_to_outbox(conn, schema, messages)
+            stored = {
+                r["key"]: json.loads(r["value"])
+                for r in await conn.fetch(f"SELECT key, value FROM {schema}.outbox")
+            }
+        relay.committed(staged)
+        assert await relay.publish_committed() == 3
+        sent = {
+            env["payload"]["job_id"]: env
+            for env in await every_record(topics_ready, topics.JOB_CANCEL_REQUESTED)
+            if env.get("payload", {}).get("job_id", "").startswith(run)
+        }
+    finally:
+        await broker.stop()
+        await pool.close()
+    assert sorted(ENCODED) == sorted(m.key for m in messages)
+    assert sent == stored
