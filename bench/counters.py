@@ -9,11 +9,12 @@ end of a transaction at most once a second (and an idle one within ten), so up t
 second of each busy backend's work can fall into the next reading.
 
 WAL (`pg_stat_wal`: records, full-page images, bytes) is the whole server's, not the
-database's: on a server other work shares, its figures hold that work too. Every row written
-costs a heap record, one record per index it enters (an update that is not HOT enters every
-index again), and a lock record where it was locked first (`FOR UPDATE`, `ON CONFLICT DO
-UPDATE`); an `ON CONFLICT` insert adds a confirmation. So WAL records per job, beside row
-writes and HOT updates per job, tell how much each row write cost PostgreSQL.
+database's: on a server other work shares, its figures hold that work too. A row written
+costs a heap record (COPY: one per page of rows), one record per index it enters (an update
+that is not HOT enters every index again), a lock record where it was locked first (`FOR
+UPDATE`, `ON CONFLICT DO UPDATE`) and another where an update's new version goes to another
+page; an `ON CONFLICT` insert adds a confirmation. So WAL records per job, beside row writes
+and HOT updates per job, tell how much each row write cost PostgreSQL.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ otherwise starts the whole platform as processes in a temporary directory and st
 When the bench starts the stack itself it also reports CPU seconds per 1,000 jobs for every
 process (each service, the broker, PostgreSQL) in both phases, the cores each keeps busy while
 nothing is submitted (`idle_cores`; polling the broker is most of it), and per job in each
-phase PostgreSQL's commits and row writes (by table too) and every consumer group's batches
+phase PostgreSQL's commits, row writes (by table too), HOT updates and WAL (the whole
+server's: meaningful when the stack has the server to itself) and every consumer group's batches
 and fetches (`counts_per_job`, bench/counters.py), and each process's resident memory after the
 burst and the most it held (`rss_mb`, `peak_rss_mb`); with --profile, the top frames of each service
 (bench/cpu.py) are printed and written to DIR/summary.txt.

@@ -45,8 +45,8 @@ class ServiceSettings(BaseSettings):
     # own is 700). A batch's records live until it is done, so at 700 they were scanned and
     # promoted again and again while they lived; at 10,000 most die unscanned, and the older
     # generations (which hold a scheduler's whole state) are collected a fourteenth as often.
-    # 50,000 cut the burst's CPU a little more but its longer pauses cost latency at a steady
-    # rate. docs/performance.md, "Young objects collected less often".
+    # At 50,000 the latency at 200 jobs/s was higher over many runs, for no gain in CPU
+    # measured on a fast machine. docs/performance.md, "Young objects collected less often".
     gc_young_threshold: int = Field(default=10_000, ge=100, le=1_000_000)
     # The event loop a service runs on: uvloop (libuv; sockets, timers and callbacks in C) or
     # Python's own asyncio loop (docs/performance.md, "The event loop").

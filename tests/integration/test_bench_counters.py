@@ -43,7 +43,7 @@ async def test_row_writes_hot_updates_and_wal_per_job(fresh_database_url: str) -
     counts = per_job(before, after, ROWS, 1.0)
     pg = counts["pg"]
     assert isinstance(pg, dict)
-    # Other databases' work on a shared server can only add to these.
+    # Other databases' work on a shared server can only add to the WAL's figures.
     assert pg["tup_inserted"] >= 1.0
     assert pg["tup_updated"] >= 1.0
     assert pg["tup_hot_updated"] >= 1.0

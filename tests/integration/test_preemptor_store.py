@@ -135,9 +135,11 @@ async def hot_updates(conn: asyncpg.Connection) -> tuple[int, int]:
 
 
 async def test_a_jobs_facts_are_updated_in_place(fresh_database_url: str) -> None:
-    """The facts of a job are written as it is placed and again as it starts and ends: with room
-    left on each page (004_fillfactor.sql) nearly every update stays on its page and writes no
-    index entry. With full pages three in four of the bench's updates did not."""
+    """The facts of a job are written as it is placed and again as it starts and ends. With
+    room left on each page (004_fillfactor.sql) an update can stay on its page and write no
+    index entry (HOT); on a full page it cannot. The updates here fit in the room a page
+    keeps, so whether they are HOT does not depend on what else the server is doing (pruning
+    old row versions, which any older open transaction on the server holds back)."""
     pool = await create_pool(fresh_database_url)
     jobs = [f"job-{i:04d}" for i in range(600)]
     try:
@@ -152,18 +154,17 @@ async def test_a_jobs_facts_are_updated_in_place(fresh_database_url: str) -> Non
                     await store.save_facts(
                         conn, [JobFacts(j, placed_at=NOW) for j in jobs[i : i + 20]]
                     )
+            first_page = await conn.fetch(
+                "SELECT job_id FROM preemptor.jobs WHERE (ctid::text::point)[0] = 0 ORDER BY job_id"
+            )
+            assert len(first_page) > 10  # the page was filled as far as it is filled
             before = await hot_updates(conn)
-            for attempt in (1, 2):
-                for i in range(0, len(jobs), 20):
-                    started = [
-                        JobFacts(j, started_attempt=attempt, started_at=NOW)
-                        for j in jobs[i : i + 20]
-                    ]
-                    async with conn.transaction():
-                        await store.save_facts(conn, started)
+            started = [
+                JobFacts(r["job_id"], started_attempt=1, started_at=NOW) for r in first_page[:10]
+            ]
+            async with conn.transaction():
+                await store.save_facts(conn, started)
             after = await hot_updates(conn)
     finally:
         await pool.close()
-    updates, hot = after[0] - before[0], after[1] - before[1]
-    assert updates == 2 * len(jobs)
-    assert hot >= 0.9 * updates, (hot, updates)
+    assert (after[0] - before[0], after[1] - before[1]) == (10, 10)  # (updates, HOT)
