@@ -50,6 +50,10 @@ class Tail:
         self.names = names
         self.skip = skip
         self._consumer: AIOKafkaConsumer | None = None
+        # Read but not handed out yet: a read cancelled half way (the fuzz stops its watcher
+        # while it reads) leaves them here for the next, since the consumer's position has
+        # moved past them and nothing would read them again.
+        self._pending: list[tuple[Coords, dict[str, Any]]] = []
 
     async def __aenter__(self) -> Tail:
         consumer = AIOKafkaConsumer(
@@ -80,12 +84,13 @@ class Tail:
             await self._consumer.stop()
 
     async def read(self, timeout_s: float = 120.0) -> list[tuple[Coords, dict[str, Any]]]:
-        """Everything new up to the end as of now, as (coordinates, envelope)."""
+        """Everything new up to the end as of now, as (coordinates, envelope); what a read
+        that was cancelled or timed out had read comes first."""
         consumer = self._consumer
         assert consumer is not None
         parts = list(consumer.assignment())
         ends = await consumer.end_offsets(parts)
-        out: list[tuple[Coords, dict[str, Any]]] = []
+        out = self._pending
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             behind = False
@@ -94,6 +99,7 @@ class Tail:
                 if end and (high is None or high < end or await consumer.position(tp) < high):
                     behind = True
             if not behind:
+                self._pending = []
                 return out
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{self.names} not read to the end within {timeout_s} s")

@@ -3,12 +3,14 @@ real broker: where the job's records are, read afresh, and why the audit passed 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from bench.fuzz_audit import Coords, locate
+from bench.fuzz_audit import Coords, Tail, locate
 from tests.integration.kafka_tools import START_S, STOP_S, bounded, fresh_topic
 
 pytestmark = pytest.mark.integration
@@ -74,3 +76,55 @@ async def test_locate_finds_each_jobs_records_and_says_why_the_audit_passed_them
         "job-d": [],  # nothing about it in the topic: no line
         "job-e": [f"{at(unread)} outcome 'succeeded' event e-unread: never read by the audit"],
     }
+
+
+class OneAtATime:
+    """The audit's consumer, handing out one record per poll, and cancelling the read that
+    polls again once it has handed out `cancel_after` records: a watcher stopped mid-read."""
+
+    def __init__(self, consumer: Any, cancel_after: int) -> None:
+        self._consumer = consumer
+        self._cancel_after = cancel_after
+        self.handed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+    async def getmany(
+        self, *parts: Any, timeout_ms: int = 0, max_records: int | None = None
+    ) -> Any:
+        if self.handed >= self._cancel_after:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)  # the cancellation lands here, inside the read
+        got = await self._consumer.getmany(*parts, timeout_ms=timeout_ms, max_records=1)
+        self.handed += sum(len(records) for records in got.values())
+        return got
+
+
+async def test_a_read_cancelled_half_way_loses_nothing(kafka_bootstrap: str) -> None:
+    """The fuzz stops its watcher while records are still being written, perhaps in the
+    middle of a read: what that read had taken from the broker must reach the next one, or
+    those jobs' ends are never seen (a CI failure: seventeen valid jobs 'never read by the
+    audit', their job.finished records in one window on every partition)."""
+    topic = await fresh_topic(kafka_bootstrap, "fuzz-tail", partitions=2)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+    await bounded(producer.start(), START_S, "the test producer's start")
+    try:
+        for i in range(6):
+            await producer.send_and_wait(topic, envelope(f"e-{i}", f"job-{i}"), partition=i % 2)
+    finally:
+        await bounded(producer.stop(), STOP_S, "the test producer's stop")
+
+    async with Tail(kafka_bootstrap, (topic,), set()) as tail:
+        slow = OneAtATime(tail._consumer, cancel_after=3)
+        tail._consumer = slow  # type: ignore[assignment]
+        first = asyncio.create_task(tail.read(60))
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert slow.handed == 3  # taken from the broker by the read that was cancelled
+        slow._cancel_after = 1_000
+        rest = await tail.read(60)
+
+    assert sorted(env["event_id"] for _, env in rest) == [f"e-{i}" for i in range(6)]
