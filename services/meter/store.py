@@ -237,30 +237,33 @@ async def lock_runs(conn: asyncpg.Connection, keys: Iterable[RunKey]) -> dict[Ru
 
 
 async def save_runs(conn: asyncpg.Connection, states: Sequence[RunState]) -> None:
+    """Upsert these runs (distinct keys) in one statement: one plan for the batch, where a
+    statement per row was planned afresh for each (plans are always custom, common/db.py).
+    A run's nodes travel as a JSON array, since arrays of arrays cannot be ragged."""
     if not states:
         return
-    await conn.executemany(
+    rows = sorted(states, key=lambda s: s.key)  # the order its FOR UPDATE read locked them in
+    await conn.execute(
         f"INSERT INTO meter.runs ({_RUN_COLUMNS}, updated_at) "
-        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now()) "
+        "SELECT u.j, u.a, u.ph, u.pl, u.st, ARRAY(SELECT jsonb_array_elements_text(u.n)), "
+        "u.ran, u.oc, u.r, u.b, now() "
+        "FROM unnest($1::text[], $2::int[], $3::text[], $4::jsonb[], $5::timestamptz[], "
+        "$6::jsonb[], $7::bigint[], $8::text[], $9::jsonb[], $10::bigint[]) "
+        "AS u(j, a, ph, pl, st, n, ran, oc, r, b) "
         "ON CONFLICT (job_id, attempt) DO UPDATE SET phase = EXCLUDED.phase, "
         "placements = EXCLUDED.placements, started_at = EXCLUDED.started_at, "
         "nodes = EXCLUDED.nodes, ran_u = EXCLUDED.ran_u, outcome = EXCLUDED.outcome, "
         "run = EXCLUDED.run, billed_u = EXCLUDED.billed_u, updated_at = now()",
-        [
-            (
-                s.job_id,
-                s.attempt,
-                s.phase.value,
-                _placements_json(s.placements),
-                s.started_at,
-                list(s.nodes),
-                s.ran_u,
-                s.outcome,
-                _run_json(s.run) if s.run else None,
-                s.run.billed_u if s.run else None,
-            )
-            for s in states
-        ],
+        [s.job_id for s in rows],
+        [s.attempt for s in rows],
+        [s.phase.value for s in rows],
+        [_placements_json(s.placements) for s in rows],
+        [s.started_at for s in rows],
+        [json.dumps(list(s.nodes)) for s in rows],
+        [s.ran_u for s in rows],
+        [s.outcome for s in rows],
+        [_run_json(s.run) if s.run else None for s in rows],
+        [s.run.billed_u if s.run else None for s in rows],
     )
 
 
