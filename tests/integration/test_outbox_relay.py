@@ -20,17 +20,38 @@ from tests.integration.kafka_tools import collect, every_record
 pytestmark = pytest.mark.integration
 
 
+async def create_outbox(db: asyncpg.Pool | asyncpg.Connection, schema: str) -> None:
+    """A schema with an outbox table as every outboxed service has (common/outbox.py)."""
+    await db.execute(
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
+        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
+        " created_at timestamptz NOT NULL DEFAULT now())"
+    )
+
+
+def cancels(run: str, reason: str, kind: type[OutMessage] = OutMessage) -> list[OutMessage]:
+    """Three cancel requests for jobs `run`-0..2, keyed by their job ids."""
+    return [
+        kind(
+            topics.JOB_CANCEL_REQUESTED,
+            f"{run}-{i}",
+            envelope_for(
+                "JobCancelRequested",
+                {"job_id": f"{run}-{i}", "requested_by": "relay-test", "reason": reason},
+                producer="relay-test",
+            ),
+        )
+        for i in range(3)
+    ]
+
+
 async def test_a_message_the_broker_refuses_is_dead_lettered_and_its_neighbours_go_out(
     topics_ready: str, fresh_database_url: str
 ) -> None:
     schema = "relay_test"
     pool = await asyncpg.create_pool(fresh_database_url, min_size=1, max_size=2)
     assert pool is not None
-    await pool.execute(
-        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
-        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
-        " created_at timestamptz NOT NULL DEFAULT now())"
-    )
+    await create_outbox(pool, schema)
     broker = make_broker(ServiceSettings(kafka_bootstrap=topics_ready), "relay-test")
     await broker.connect()
     run = uuid.uuid4().hex[:8]
@@ -94,11 +115,7 @@ async def test_rows_the_broker_has_are_not_sent_again_when_their_delete_failed(
     them without sending them a second time."""
     schema = "relay_resend"
     admin = await asyncpg.connect(fresh_database_url)
-    await admin.execute(
-        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
-        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
-        " created_at timestamptz NOT NULL DEFAULT now())"
-    )
+    await create_outbox(admin, schema)
     # A short statement timeout makes the delete fail (not hang) while the table is locked.
     pool = await asyncpg.create_pool(
         fresh_database_url, min_size=1, max_size=2, server_settings={"statement_timeout": "300"}
@@ -107,18 +124,7 @@ async def test_rows_the_broker_has_are_not_sent_again_when_their_delete_failed(
     broker = make_broker(ServiceSettings(kafka_bootstrap=topics_ready), "relay-test")
     await broker.connect()
     run = uuid.uuid4().hex[:8]
-    messages = [
-        OutMessage(
-            topics.JOB_CANCEL_REQUESTED,
-            f"{run}-{i}",
-            envelope_for(
-                "JobCancelRequested",
-                {"job_id": f"{run}-{i}", "requested_by": "relay-test", "reason": "r"},
-                producer="relay-test",
-            ),
-        )
-        for i in range(3)
-    ]
+    messages = cancels(run, "r")
     try:
         relay = OutboxRelay(pool, broker, schema)
         async with pool.acquire() as conn:
@@ -168,26 +174,11 @@ async def test_a_message_is_encoded_once_and_sent_as_its_row_holds_it(
     schema = "relay_once"
     pool = await asyncpg.create_pool(fresh_database_url, min_size=1, max_size=2)
     assert pool is not None
-    await pool.execute(
-        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.outbox (id bigserial PRIMARY KEY, "
-        "topic text NOT NULL, key text NOT NULL, event_type text NOT NULL, value bytea NOT NULL,"
-        " created_at timestamptz NOT NULL DEFAULT now())"
-    )
+    await create_outbox(pool, schema)
     broker = make_broker(ServiceSettings(kafka_bootstrap=topics_ready), "relay-test")
     await broker.connect()
     run = uuid.uuid4().hex[:8]
-    messages = [
-        CountedMessage(
-            topics.JOB_CANCEL_REQUESTED,
-            f"{run}-{i}",
-            envelope_for(
-                "JobCancelRequested",
-                {"job_id": f"{run}-{i}", "requested_by": "relay-test", "reason": "once"},
-                producer="relay-test",
-            ),
-        )
-        for i in range(3)
-    ]
+    messages = cancels(run, "once", CountedMessage)
     ENCODED.clear()
     try:
         relay = OutboxRelay(pool, broker, schema)
