@@ -9,11 +9,11 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-import pytest
 
 from services.common.db import create_pool, migrate
 from services.preemptor import store
 from services.preemptor.guards import JobFacts
+from tests.integration.pg_stats import updates_of
 
 NOW = datetime(2026, 11, 22, 12, tzinfo=UTC)
 
@@ -122,18 +122,6 @@ async def ordered(
     )
 
 
-async def hot_updates(conn: asyncpg.Connection) -> tuple[int, int]:
-    """(updates, HOT updates) of preemptor.jobs, this session's statistics flushed first."""
-    await conn.execute("SELECT pg_stat_force_next_flush()")
-    await conn.execute("SELECT 1")
-    row = await conn.fetchrow(
-        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
-        "WHERE schemaname = 'preemptor' AND relname = 'jobs'"
-    )
-    assert row is not None
-    return row["n_tup_upd"], row["n_tup_hot_upd"]
-
-
 async def test_a_jobs_facts_are_updated_in_place(fresh_database_url: str) -> None:
     """The facts of a job are written as it is placed and again as it starts and ends. With
     room left on each page (004_fillfactor.sql) an update can stay on its page and write no
@@ -145,10 +133,6 @@ async def test_a_jobs_facts_are_updated_in_place(fresh_database_url: str) -> Non
     try:
         await migrate(pool, store.SCHEMA, store.MIGRATIONS)
         async with pool.acquire() as conn:
-            if not await conn.fetchval(
-                "SELECT count(*) FROM pg_proc WHERE proname = 'pg_stat_force_next_flush'"
-            ):
-                pytest.skip("PostgreSQL before 15: its statistics cannot be flushed on demand")
             for i in range(0, len(jobs), 20):  # batches, each its own transaction, as consumed
                 async with conn.transaction():
                     await store.save_facts(
@@ -158,13 +142,13 @@ async def test_a_jobs_facts_are_updated_in_place(fresh_database_url: str) -> Non
                 "SELECT job_id FROM preemptor.jobs WHERE (ctid::text::point)[0] = 0 ORDER BY job_id"
             )
             assert len(first_page) > 10  # the page was filled as far as it is filled
-            before = await hot_updates(conn)
+            before = await updates_of(conn, "preemptor", "jobs")
             started = [
                 JobFacts(r["job_id"], started_attempt=1, started_at=NOW) for r in first_page[:10]
             ]
             async with conn.transaction():
                 await store.save_facts(conn, started)
-            after = await hot_updates(conn)
+            after = await updates_of(conn, "preemptor", "jobs")
     finally:
         await pool.close()
     assert (after[0] - before[0], after[1] - before[1]) == (10, 10)  # (updates, HOT)

@@ -1,4 +1,5 @@
-"""The queue's job rows on real PostgreSQL: what serializes two writers of one job.
+"""The queue's job rows on real PostgreSQL: what serializes two writers of one job, and
+state changes that stay on their page.
 
 The queue reads a job's row, decides, and writes it back. Two replicas (or its two consumer
 groups) may do that for the same job at once. The per-job advisory locks of `serialize_jobs`
@@ -15,8 +16,11 @@ from datetime import UTC, datetime
 
 import asyncpg
 
+from schemas.job import JobSpec, JobState
 from services.common.db import create_pool, migrate
 from services.queue import store
+from services.queue.lifecycle import JobRecord
+from tests.integration.pg_stats import updates_of
 
 AT = datetime(2026, 11, 28, 12, tzinfo=UTC)
 
@@ -68,3 +72,51 @@ async def test_a_second_writer_waits_for_the_first_and_decides_on_what_it_wrote(
     finally:
         await pool.close()
     assert (first_read, second_read, final) == (0, 1, 2)  # no update lost
+
+
+def queued(job_id: str) -> tuple[JobRecord, JobSpec]:
+    spec = JobSpec(
+        tenant="vision",
+        job_id=job_id,
+        name="resnet50-sweep",
+        command=["python", "-m", "train", "--epochs", "90", "--lr", "0.1"],
+        resources={"accelerators": 8, "accelerator_type": "h100"},
+        labels={"team": "perception", "experiment": "sweep-17"},
+    )
+    return JobRecord(job_id, "vision", JobState.QUEUED, AT, AT), spec
+
+
+async def test_a_jobs_state_changes_stay_on_its_page(fresh_database_url: str) -> None:
+    """Each state change of a job updates its row. With no index on the state and room kept on
+    each page (008_hot_updates.sql), the new version goes on the same page and no index entry
+    is written (HOT); with either missing, none is. A row is wide (its spec rides in it: about
+    750 bytes in the e2e bench), so a page's room holds three new versions before pruning
+    must make more; two updates fit, so this does not depend on pruning, which an older open
+    transaction on the server holds back."""
+    pool = await create_pool(fresh_database_url)
+    jobs = [f"job-{i:04d}" for i in range(300)]
+    try:
+        await migrate(pool, store.SCHEMA, store.MIGRATIONS)
+        async with pool.acquire() as conn:
+            for i in range(0, len(jobs), 20):  # batches, each its own transaction, as consumed
+                async with conn.transaction():
+                    await store.insert_jobs(conn, [queued(j) for j in jobs[i : i + 20]])
+            first_page = await conn.fetch(
+                "SELECT job_id FROM queue.jobs WHERE (ctid::text::point)[0] = 0 ORDER BY job_id"
+            )
+            assert len(first_page) > 2  # the page was filled as far as it is filled
+            before = await updates_of(conn, "queue", "jobs")
+            async with conn.transaction():
+                ids = [r["job_id"] for r in first_page[:2]]
+                records = await store.read_jobs(conn, ids)
+                await store.update_jobs(
+                    conn,
+                    [
+                        dataclasses.replace(r, state=JobState.PLACED, cluster="onprem-h100")
+                        for r in records.values()
+                    ],
+                )
+            after = await updates_of(conn, "queue", "jobs")
+    finally:
+        await pool.close()
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2)  # (updates, HOT)
