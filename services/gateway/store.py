@@ -171,13 +171,27 @@ async def take_early(
 
 
 async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> None:
+    """Upsert these views (distinct job ids) in one statement: one plan for the batch, where a
+    statement per view was planned afresh for each (plans are always custom, common/db.py).
+    A view's nodes travel as a JSON array, since arrays of arrays cannot be ragged."""
     if not views:
         return
-    await conn.executemany(
+    rows = [_row(v) for v in sorted(views, key=lambda v: v.job_id)]  # lock_views' order
+    await conn.execute(
         'INSERT INTO gateway.jobs (job_id, tenant, project, "user", queue, name, state, attempt,'
         " reason_code, message, cluster, nodes, replicas, accelerators, idempotency_key, spec,"
-        " submitted_at, updated_at, ended_attempt, placement, accelerator_type) VALUES ($1, $2,"
-        " $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)"
+        " submitted_at, updated_at, ended_attempt, placement, accelerator_type)"
+        " SELECT u.job_id, u.tenant, u.project, u.usr, u.queue, u.name, u.state, u.attempt,"
+        " u.reason_code, u.message, u.cluster, ARRAY(SELECT jsonb_array_elements_text(u.nodes)),"
+        " u.replicas, u.accelerators, u.idempotency_key, u.spec, u.submitted_at,"
+        " u.updated_at, u.ended_attempt, u.placement, u.accelerator_type"
+        " FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],"
+        " $7::text[], $8::int[], $9::text[], $10::text[], $11::text[], $12::jsonb[], $13::int[],"
+        " $14::float8[], $15::text[], $16::jsonb[], $17::timestamptz[], $18::timestamptz[],"
+        " $19::int[], $20::jsonb[], $21::text[]) AS u(job_id, tenant, project, usr, queue, name,"
+        " state, attempt, reason_code, message, cluster, nodes, replicas, accelerators,"
+        " idempotency_key, spec, submitted_at, updated_at, ended_attempt, placement,"
+        " accelerator_type)"
         " ON CONFLICT (job_id) DO UPDATE SET"
         " state = EXCLUDED.state, attempt = EXCLUDED.attempt,"
         " placement = EXCLUDED.placement, accelerator_type = EXCLUDED.accelerator_type,"
@@ -191,7 +205,7 @@ async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> No
         " replicas = COALESCE(gateway.jobs.replicas, EXCLUDED.replicas),"
         " accelerators = COALESCE(gateway.jobs.accelerators, EXCLUDED.accelerators),"
         " updated_at = EXCLUDED.updated_at",
-        [_row(v) for v in views],
+        *(list(column) for column in zip(*rows, strict=True)),
     )
 
 
@@ -209,7 +223,7 @@ def _row(v: JobView) -> tuple[Any, ...]:
         v.reason_code,
         v.message,
         v.cluster,
-        list(v.nodes),
+        json.dumps(list(v.nodes)),
         s.replicas if s else None,
         s.total_accelerators if s else None,
         s.idempotency_key if s else None,

@@ -6,6 +6,7 @@ event read before its job is kept as it came."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import asyncpg
 import pytest
@@ -15,7 +16,7 @@ from schemas import topics
 from schemas.job import JobSpec, JobState
 from services.gateway import store
 from services.gateway.handlers import Projector
-from services.gateway.projection import JobView
+from services.gateway.projection import JobView, Placement, ReplicaPlacement
 from tests.integration import test_gateway_early_events as early
 from tests.integration.test_gateway_early_events import T0, placed, queued, spec, started
 from tests.unit.gateway.builders import record
@@ -98,3 +99,49 @@ async def test_an_early_event_is_kept_as_it_came(rig: tuple[asyncpg.Pool, Redis]
     view = await locked(pool, job)
     assert (view.state, view.cluster) == (JobState.PLACED, "c1")
     assert await pool.fetchval("SELECT count(*) FROM gateway.early_events") == 0
+
+
+async def test_views_upserted_in_one_statement_read_back_as_they_were(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    """A batch of views of every shape, inserted and then updated in one statement each, reads
+    back as written: no spec and a spec, no nodes and several (a comma in one's name), a
+    placement, an ended attempt. The batch comes unsorted; the statement locks in id order."""
+    pool, _ = rig
+    placement = Placement(
+        2,
+        "c1",
+        "h100",
+        (
+            ReplicaPlacement(0, "n,1", 8.0, (0, 1)),
+            ReplicaPlacement(1, "n2", 8.0, ()),
+        ),
+    )
+    first = [
+        JobView("j-batch-b", "vision", JobState.SUBMITTED, T0, T0),
+        JobView("j-batch-a", "nlp", JobState.QUEUED, T0, T0, spec=spec("j-batch-a")),
+        JobView("j-batch-c", "vision", JobState.QUEUED, T0, T0, spec=spec("j-batch-c")),
+    ]
+    later = T0.replace(minute=5)
+    second = [
+        replace(
+            first[2],
+            state=JobState.SUCCEEDED,
+            attempt=2,
+            ended_attempt=2,
+            updated_at=later,
+            cluster="c1",
+            nodes=("n,1", "n2"),
+            placement=placement,
+            reason_code="done",
+            message="exit 0",
+        ),
+        replace(first[0], state=JobState.CANCELED, updated_at=later, message="by alice"),
+        replace(first[1], state=JobState.PLACED, attempt=1, cluster="c2", nodes=("m1",)),
+    ]
+    for batch in (first, second):
+        async with pool.acquire() as conn, conn.transaction():
+            await store.upsert_views(conn, batch)
+        async with pool.acquire() as conn, conn.transaction():
+            got = await store.lock_views(conn, [v.job_id for v in batch])
+        assert got == {v.job_id: v for v in batch}
