@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -43,17 +44,30 @@ async def record_explanations(
     received, dead = decode_payloads(
         records, {topics.SCHEDULING_EXPLAINED: PendingExplained}, consumer="gateway"
     )
-    rows = {}
+    newest: dict[str, tuple[PendingExplained, datetime]] = {}
     for got, p in received:
-        rows[p.job_id] = (p.job_id, p.codes, p.message, p.pending_jobs, got.envelope.occurred_at)
-    if rows:
-        await pool.executemany(
+        at = got.envelope.occurred_at
+        if p.job_id not in newest or newest[p.job_id][1] <= at:
+            newest[p.job_id] = (p, at)
+    if newest:
+        # One statement for the batch (one plan; a statement per row was planned afresh for
+        # each, common/db.py). The codes travel as a JSON array: arrays of arrays cannot be
+        # ragged.
+        rows = [newest[job_id] for job_id in sorted(newest)]
+        await pool.execute(
             "INSERT INTO gateway.explanations (job_id, codes, message, pending_jobs, at)"
-            " VALUES ($1, $2, $3, $4, $5) ON CONFLICT (job_id) DO UPDATE SET"
+            " SELECT u.j, ARRAY(SELECT jsonb_array_elements_text(u.c)), u.m, u.n, u.a"
+            " FROM unnest($1::text[], $2::jsonb[], $3::text[], $4::int[], $5::timestamptz[])"
+            " AS u(j, c, m, n, a)"
+            " ON CONFLICT (job_id) DO UPDATE SET"
             " codes = EXCLUDED.codes, message = EXCLUDED.message,"
             " pending_jobs = EXCLUDED.pending_jobs, at = EXCLUDED.at"
             " WHERE gateway.explanations.at <= EXCLUDED.at",
-            list(rows.values()),
+            [p.job_id for p, _ in rows],
+            [json.dumps(p.codes) for p, _ in rows],
+            [p.message for p, _ in rows],
+            [p.pending_jobs for p, _ in rows],
+            [at for _, at in rows],
         )
     return dead
 
