@@ -77,6 +77,18 @@ _COLUMNS = (
 
 # A new attempt of a job takes over its row whole.
 _REPLACE = ", ".join(f"{c} = EXCLUDED.{c}" for c in _COLUMNS.split(", ")[1:])
+# The columns' types, in _COLUMNS' order, for a batch sent as one array per column.
+_UNNEST = ", ".join(
+    f"${i}::{t}[]"
+    for i, t in enumerate(
+        (
+            "text", "int", "bigint", "jsonb", "text", "timestamptz", "timestamptz", "text",
+            "text", "text", "int", "float8", "float8", "float8", "timestamptz", "timestamptz",
+            "timestamptz", "bool", "text", "timestamptz",
+        ),
+        start=1,
+    )
+)  # fmt: skip
 
 
 def _row(j: RunningJob) -> tuple[object, ...]:
@@ -173,32 +185,42 @@ class ExecutorStore:
                 [k[0] for k in gone - begun],
                 [k[1] for k in gone - begun],
             )
-        # A checkpointed run started in this batch is written whole below.
-        rows = [_row(j) for j in started if j.key not in gone]
+        # Each write below is one statement for the batch (one plan; a statement per row was
+        # planned afresh for each, common/db.py). A row per job id, the last one listed, as
+        # the rows applied one by one left it: one statement cannot upsert a row twice.
+        # A checkpointed run started in this batch is written whole.
+        rows = list({j.job_id: _row(j) for j in started if j.key not in gone}.values())
         if rows:
-            await conn.executemany(
-                f'INSERT INTO "{s}".allocations ({_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, '
-                "$8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20) "
+            await conn.execute(
+                f'INSERT INTO "{s}".allocations ({_COLUMNS}) SELECT * FROM unnest({_UNNEST}) '
                 f"ON CONFLICT (job_id) DO UPDATE SET {_REPLACE}",
-                rows,
+                *(list(column) for column in zip(*rows, strict=True)),
             )
-        marks = [j for j in checkpointed if j.key not in gone and j.key not in begun]
+        marks = {
+            j.key: (j.job_id, j.attempt, c.at, c.done_at, c.stop_at)
+            for j in checkpointed
+            if j.key not in gone and j.key not in begun and (c := j.checkpoint) is not None
+        }
         if marks:
-            await conn.executemany(
-                f'UPDATE "{s}".allocations SET checkpoint_at = $3, checkpoint_done_at = $4, '
-                "checkpoint_stop_at = $5 WHERE job_id = $1 AND attempt = $2",
-                [
-                    (j.job_id, j.attempt, c.at, c.done_at, c.stop_at)
-                    for j in marks
-                    if (c := j.checkpoint) is not None
-                ],
+            await conn.execute(
+                f'UPDATE "{s}".allocations AS a SET checkpoint_at = u.at, '
+                "checkpoint_done_at = u.done_at, checkpoint_stop_at = u.stop_at "
+                "FROM unnest($1::text[], $2::int[], $3::timestamptz[], $4::timestamptz[], "
+                "$5::timestamptz[]) AS u(job_id, attempt, at, done_at, stop_at) "
+                "WHERE a.job_id = u.job_id AND a.attempt = u.attempt",
+                *(list(column) for column in zip(*marks.values(), strict=True)),
             )
-        shown = [j for j in announced if j.key not in gone and j.key not in begun]
+        shown = {
+            j.key: (j.job_id, j.attempt, j.started_at)
+            for j in announced
+            if j.key not in gone and j.key not in begun
+        }
         if shown:
-            await conn.executemany(
-                f'UPDATE "{s}".allocations SET started = true, started_at = $3 '
-                "WHERE job_id = $1 AND attempt = $2",
-                [(j.job_id, j.attempt, j.started_at) for j in shown],
+            await conn.execute(
+                f'UPDATE "{s}".allocations AS a SET started = true, started_at = u.at '
+                "FROM unnest($1::text[], $2::int[], $3::timestamptz[]) AS u(job_id, attempt, at) "
+                "WHERE a.job_id = u.job_id AND a.attempt = u.attempt",
+                *(list(column) for column in zip(*shown.values(), strict=True)),
             )
         if epoch is not None:
             await conn.execute(

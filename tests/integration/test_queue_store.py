@@ -35,10 +35,10 @@ async def bump_attempt(conn: asyncpg.Connection, job_id: str) -> int:
 
 async def waiting_on_a_lock(pool: asyncpg.Pool, pid: int) -> None:
     """Until the backend `pid` waits on a heavyweight lock (an advisory one here)."""
-    while (
-        await pool.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid)
-        != "Lock"
-    ):
+    query = "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1"
+    while True:
+        if await pool.fetchval(query, pid) == "Lock":
+            return
         await asyncio.sleep(0.01)
 
 
