@@ -135,8 +135,10 @@ class OutboxRelay:
     async def transaction(self) -> AsyncIterator[Transaction]:
         """The one transaction shape every outboxed step uses: effects, processed ids and
         outbox commit together, and the outbox goes out at once after the commit. An error
-        inside rolls everything back (the consumer pipeline then retries or isolates)."""
-        async with self._pool.acquire() as conn, conn.transaction():
+        inside rolls everything back (the consumer pipeline then retries or isolates).
+        READ COMMITTED whatever the server's default: a step that waits on a lock (the queue's
+        per-job advisory locks) reads what the previous holder committed in its next statement."""
+        async with self._pool.acquire() as conn, conn.transaction(isolation="read_committed"):
             tx = Transaction(conn, self._schema)
             yield tx
             staged = await add_to_outbox(conn, self._schema, tx.out)

@@ -100,8 +100,7 @@ class QueueProcessor:
                             queue=spec.queue,
                         )
                 job_ids = {j for j in (item_job_id(i) for i in todo) if j}
-                await store.serialize_jobs(conn, job_ids)
-                records_by_id = await store.read_jobs(conn, job_ids)
+                records_by_id = await store.lock_jobs(conn, job_ids)
                 keys = {
                     (i.submission.spec.tenant, i.submission.spec.idempotency_key)
                     for i in todo

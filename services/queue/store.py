@@ -43,29 +43,26 @@ def _record(row: asyncpg.Record) -> JobRecord:
     )
 
 
-async def serialize_jobs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> None:
-    """Transaction-scoped advisory locks on these job ids, in a stable order: two consumers
-    (or replicas) touching the same job wait for each other even before its row exists (a
-    cancel racing its own submission). Every transaction that writes a job's row, its
-    history or its early cancel takes them first; they are what serializes those writes."""
-    ids = sorted(set(job_ids))
-    if ids:
-        await conn.execute(
-            "SELECT pg_advisory_xact_lock(hashtext(id)) FROM "
-            "(SELECT unnest($1::text[]) AS id ORDER BY 1) AS s",
-            ids,
-        )
+async def lock_jobs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobRecord]:
+    """Take a transaction-scoped advisory lock on each of these job ids, then read their rows.
 
-
-async def read_jobs(conn: asyncpg.Connection, job_ids: Iterable[str]) -> dict[str, JobRecord]:
-    """These jobs' rows, read after `serialize_jobs` took their locks in this transaction.
-    Every writer of queue.jobs takes those locks first, so the rows read here stay as read
-    until the transaction ends. A row lock (FOR UPDATE) would add nothing but its cost: a WAL
-    record and a dirtied page for every row read, written or not (4.5 per job in the e2e
-    bench, docs/performance.md)."""
+    The locks serialize every transaction that writes a job's row, its history or its early
+    cancel (all of them go through here first): two consumers or replicas touching the same
+    job wait for each other, even before its row exists (a cancel racing its own submission).
+    The rows are read in a statement of its own after the locks are granted, so under READ
+    COMMITTED (the outbox transaction's level) it sees what the previous holder committed. No
+    row lock (FOR UPDATE) is taken: it would add nothing but a WAL record and a dirtied page
+    for every row read, written or not (4.5 per job in the e2e bench, docs/performance.md).
+    The locks are taken in the order of their keys, so two batches never wait on each other
+    in a cycle, whatever ids share a key."""
     ids = sorted(set(job_ids))
     if not ids:
         return {}
+    await conn.execute(
+        "SELECT pg_advisory_xact_lock(k) FROM "
+        "(SELECT DISTINCT hashtext(id) AS k FROM unnest($1::text[]) AS id ORDER BY 1) AS s",
+        ids,
+    )
     rows = await conn.fetch(
         f"SELECT {_COLUMNS} FROM queue.jobs WHERE job_id = ANY($1::text[])",
         ids,

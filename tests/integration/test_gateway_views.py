@@ -119,7 +119,7 @@ async def test_views_upserted_in_one_statement_read_back_as_they_were(
     )
     first = [
         JobView("j-batch-b", "vision", JobState.SUBMITTED, T0, T0),
-        JobView("j-batch-a", "nlp", JobState.QUEUED, T0, T0, spec=spec("j-batch-a")),
+        JobView("j-batch-a", "nlp", JobState.QUEUED, T0, T0, spec=rich_spec("j-batch-a")),
         JobView("j-batch-c", "vision", JobState.QUEUED, T0, T0, spec=spec("j-batch-c")),
     ]
     later = T0.replace(minute=5)
@@ -145,3 +145,38 @@ async def test_views_upserted_in_one_statement_read_back_as_they_were(
         async with pool.acquire() as conn, conn.transaction():
             got = await store.lock_views(conn, [v.job_id for v in batch])
         assert got == {v.job_id: v for v in batch}
+        # The columns the view is not read back from: each from its own field of the spec.
+        rows = await pool.fetch(
+            'SELECT job_id, project, "user", queue, name, replicas, accelerators,'
+            " idempotency_key, accelerator_type FROM gateway.jobs WHERE job_id = ANY($1::text[])",
+            [v.job_id for v in batch],
+        )
+        assert {r["job_id"]: tuple(r)[1:] for r in rows} == {
+            v.job_id: (
+                *(
+                    (s.project, s.user, s.queue, s.name, s.replicas, s.total_accelerators)
+                    if (s := v.spec)
+                    else (None,) * 6
+                ),
+                s.idempotency_key if s else None,
+                v.accelerator_type,
+            )
+            for v in batch
+        }
+
+
+def rich_spec(job_id: str) -> JobSpec:
+    """Every field the view keeps a column of, each telling itself apart from the others."""
+    return JobSpec.model_validate(
+        {
+            "job_id": job_id,
+            "tenant": "nlp",
+            "project": "proj",
+            "user": "alice",
+            "queue": "batch",
+            "name": "sweep-7",
+            "idempotency_key": "key-1",
+            "replicas": 2,
+            "resources": {"accelerators": 3, "accelerator_type": "H100"},
+        }
+    )

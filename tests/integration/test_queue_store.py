@@ -2,10 +2,10 @@
 state changes that stay on their page.
 
 The queue reads a job's row, decides, and writes it back. Two replicas (or its two consumer
-groups) may do that for the same job at once. The per-job advisory locks of `serialize_jobs`
-are what keeps the second from deciding on a row the first is about to change: its read waits
-for the first transaction to end, then sees what it wrote. The rows are read without a row
-lock, so nothing else would stop a lost update.
+groups) may do that for the same job at once. The per-job advisory locks `lock_jobs` takes
+before it reads are what keeps the second from deciding on a row the first is about to
+change: its read waits for the first transaction to end, then sees what it wrote. The rows
+are read without a row lock, so nothing else would stop a lost update.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ AT = datetime(2026, 11, 28, 12, tzinfo=UTC)
 
 async def bump_attempt(conn: asyncpg.Connection, job_id: str) -> int:
     """One read-decide-write of the row, as the queue's batch step does it: the attempt it read."""
-    await store.serialize_jobs(conn, [job_id])
-    record = (await store.read_jobs(conn, [job_id]))[job_id]
+    record = (await store.lock_jobs(conn, [job_id]))[job_id]
     await store.update_jobs(conn, [dataclasses.replace(record, attempt=record.attempt + 1)])
     return record.attempt
 
@@ -108,7 +107,7 @@ async def test_a_jobs_state_changes_stay_on_its_page(fresh_database_url: str) ->
             before = await updates_of(conn, "queue", "jobs")
             async with conn.transaction():
                 ids = [r["job_id"] for r in first_page[:2]]
-                records = await store.read_jobs(conn, ids)
+                records = await store.lock_jobs(conn, ids)
                 await store.update_jobs(
                     conn,
                     [
