@@ -1,6 +1,9 @@
-"""PostgreSQL's statistics on a table, read at once (the session's counts flushed first)."""
+"""PostgreSQL's statistics on a table, read at once (the session's counts flushed first), and
+the rows a table's first page holds once it is filled."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
 import pytest
@@ -23,3 +26,20 @@ async def updates_of(conn: asyncpg.Connection, schema: str, table: str) -> tuple
     )
     assert row is not None
     return row["n_tup_upd"], row["n_tup_hot_upd"]
+
+
+async def fill_then_first_page(
+    conn: asyncpg.Connection,
+    table: str,
+    job_ids: Sequence[str],
+    write: Callable[[asyncpg.Connection, list[str]], Awaitable[object]],
+) -> list[str]:
+    """Write rows for `job_ids` with `write`, twenty at a time, each batch its own transaction
+    (as consumed); then the job ids on `table`'s first page, filled as far as it is filled."""
+    for i in range(0, len(job_ids), 20):
+        async with conn.transaction():
+            await write(conn, list(job_ids[i : i + 20]))
+    rows = await conn.fetch(
+        f"SELECT job_id FROM {table} WHERE (ctid::text::point)[0] = 0 ORDER BY job_id"
+    )
+    return [r["job_id"] for r in rows]

@@ -13,7 +13,7 @@ import asyncpg
 from services.common.db import create_pool, migrate
 from services.preemptor import store
 from services.preemptor.guards import JobFacts
-from tests.integration.pg_stats import updates_of
+from tests.integration.pg_stats import fill_then_first_page, updates_of
 
 NOW = datetime(2026, 11, 22, 12, tzinfo=UTC)
 
@@ -133,19 +133,15 @@ async def test_a_jobs_facts_are_updated_in_place(fresh_database_url: str) -> Non
     try:
         await migrate(pool, store.SCHEMA, store.MIGRATIONS)
         async with pool.acquire() as conn:
-            for i in range(0, len(jobs), 20):  # batches, each its own transaction, as consumed
-                async with conn.transaction():
-                    await store.save_facts(
-                        conn, [JobFacts(j, placed_at=NOW) for j in jobs[i : i + 20]]
-                    )
-            first_page = await conn.fetch(
-                "SELECT job_id FROM preemptor.jobs WHERE (ctid::text::point)[0] = 0 ORDER BY job_id"
+            first_page = await fill_then_first_page(
+                conn,
+                "preemptor.jobs",
+                jobs,
+                lambda c, batch: store.save_facts(c, [JobFacts(j, placed_at=NOW) for j in batch]),
             )
             assert len(first_page) > 10  # the page was filled as far as it is filled
             before = await updates_of(conn, "preemptor", "jobs")
-            started = [
-                JobFacts(r["job_id"], started_attempt=1, started_at=NOW) for r in first_page[:10]
-            ]
+            started = [JobFacts(j, started_attempt=1, started_at=NOW) for j in first_page[:10]]
             async with conn.transaction():
                 await store.save_facts(conn, started)
             after = await updates_of(conn, "preemptor", "jobs")

@@ -20,7 +20,7 @@ from schemas.job import JobSpec, JobState
 from services.common.db import create_pool, migrate
 from services.queue import store
 from services.queue.lifecycle import JobRecord
-from tests.integration.pg_stats import updates_of
+from tests.integration.pg_stats import fill_then_first_page, updates_of
 
 AT = datetime(2026, 11, 28, 12, tzinfo=UTC)
 
@@ -97,17 +97,16 @@ async def test_a_jobs_state_changes_stay_on_its_page(fresh_database_url: str) ->
     try:
         await migrate(pool, store.SCHEMA, store.MIGRATIONS)
         async with pool.acquire() as conn:
-            for i in range(0, len(jobs), 20):  # batches, each its own transaction, as consumed
-                async with conn.transaction():
-                    await store.insert_jobs(conn, [queued(j) for j in jobs[i : i + 20]])
-            first_page = await conn.fetch(
-                "SELECT job_id FROM queue.jobs WHERE (ctid::text::point)[0] = 0 ORDER BY job_id"
+            first_page = await fill_then_first_page(
+                conn,
+                "queue.jobs",
+                jobs,
+                lambda c, batch: store.insert_jobs(c, [queued(j) for j in batch]),
             )
             assert len(first_page) > 2  # the page was filled as far as it is filled
             before = await updates_of(conn, "queue", "jobs")
             async with conn.transaction():
-                ids = [r["job_id"] for r in first_page[:2]]
-                records = await store.lock_jobs(conn, ids)
+                records = await store.lock_jobs(conn, first_page[:2])
                 await store.update_jobs(
                     conn,
                     [
