@@ -231,13 +231,39 @@ class Projector:
             # The live feeds (`qm watch`, the dashboard) are best effort: the read model is
             # already committed, and a Redis outage must not hold the projection back.
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for ln in lines:
-                        pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
-                    if changed:
-                        pipe.publish(CHANGES_CHANNEL, changes_message(changed.values()))
-                    await pipe.execute()
+                await self._announce(lines, changed)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 self.feed_dropped += len(lines)
                 log.warning("live feed not published: Redis is unreachable", error=str(exc))
         return owed
+
+    async def _announce(self, lines: list[EventLine], changed: dict[str, JobView]) -> None:
+        """Publish the batch's change message, and each line to its job's channel if anyone
+        is subscribed to that channel now: most jobs are never watched, and a publish per
+        line cost the gateway and Redis more than the batch's other work with Redis.
+
+        Nothing falls between the count and a new watcher: a watcher subscribes before it
+        reads the job's history. If Redis saw its SUBSCRIBE before our count, the line is
+        published to it; if after, it reads the history after our commit (the count comes
+        after it), so the line is there. Pattern subscriptions are not counted: a client
+        that wants every job's lines follows CHANGES_CHANNEL and reads the history."""
+        channels = list(dict.fromkeys(feed_channel(ln.job_id) for ln in lines))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if channels:
+                pipe.pubsub_numsub(*channels)
+            if changed:
+                pipe.publish(CHANGES_CHANNEL, changes_message(changed.values()))
+            replies = await pipe.execute()
+        if not channels:
+            return
+        watched = {_text(channel) for channel, count in replies[0] if count}
+        wanted = [ln for ln in lines if feed_channel(ln.job_id) in watched]
+        if wanted:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for ln in wanted:
+                    pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
+                await pipe.execute()
+
+
+def _text(channel: bytes | str) -> str:
+    return channel.decode() if isinstance(channel, bytes) else channel
