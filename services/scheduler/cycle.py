@@ -177,6 +177,9 @@ class Cycle:
         self.last_accrual: float | None = None
         # The capacity demand last sent (its jobs and codes) and when.
         self.demand_sent: tuple[tuple[object, ...], float] | None = None
+        # The demand item last built for each job in it, with the request and codes it was
+        # built from: a job waiting through a burst is in every demand, unchanged.
+        self._demand_items: dict[JobId, tuple[object, tuple[str, ...], DemandItem]] = {}
         # The policy with budget deprioritizations applied, per (month, factors): the same
         # object while they hold, so the working set is rebuilt only when they change.
         self._weighted: tuple[tuple[str, tuple[tuple[str, float], ...]], Policy] | None = None
@@ -513,8 +516,14 @@ class Cycle:
             return None
         # Built only when it goes out: most cycles change nothing here.
         items = []
+        built: dict[JobId, tuple[object, tuple[str, ...], DemandItem]] = {}
         for job_id, held_codes in waiting:
             job = self.state.pending[job_id]
+            cached = self._demand_items.get(job_id)
+            if cached is not None and cached[0] is job and cached[1] == held_codes:
+                items.append(cached[2])
+                built[job_id] = cached
+                continue
             try:
                 item = DemandItem(
                     job_id=job_id,
@@ -536,6 +545,8 @@ class Cycle:
                 log.warning("job left out of the demand", job_id=job_id, error=str(error))
                 continue
             items.append(item)
+            built[job_id] = (job, held_codes, item)
+        self._demand_items = built
         event = CapacityDemand(
             scheduler=self.leader,
             epoch=epoch,

@@ -30,6 +30,7 @@ from schemas.events import (
     PlacementRefused,
 )
 from services.scheduler.cycle import (
+    DEMAND_EVERY_S,
     EXPLAIN_ALWAYS_UP_TO,
     EXPLAIN_GAP_S,
     EXPLAIN_MOST,
@@ -322,6 +323,35 @@ def test_work_waiting_for_capacity_alone_goes_out_as_demand_when_it_changes() ->
     cycle.apply(decisions, [None] * len(decisions.messages()))
     assert cycle.decide(epoch=4, now=NOW + 1).demand is None
     assert cycle.decide(epoch=4, now=NOW + 16).demand is not None
+
+
+def test_a_demand_carries_each_job_as_it_is_now_though_items_are_kept_between_sends() -> None:
+    state = fleet_with(1, "j1", "j2")  # j1 takes the one node; j2 waits for capacity
+    cycle, _ = cycle_on(state, None)
+
+    def demand_at(now: float) -> dict[str, dict[str, Any]]:
+        decisions = cycle.decide(epoch=4, now=now)
+        assert decisions.demand is not None
+        cycle.apply(decisions, [None] * len(decisions.messages()))
+        return {item["job_id"]: item for item in decisions.demand[0].envelope.payload["jobs"]}
+
+    first = demand_at(NOW)
+    assert list(first) == ["j2"]
+    state.on_queued(queued("j3"))
+    second = demand_at(NOW + 2)
+    assert list(second) == ["j2", "j3"] and second["j2"] == first["j2"]
+
+    # j2 comes back asking for more memory (as after running out of it): a new request, so
+    # the next demand says so (the same jobs and codes go out again after DEMAND_EVERY_S),
+    # whatever was built for j2 before.
+    grown = queued("j2").spec.model_copy(
+        update={"resources": queued("j2").spec.resources.model_copy(update={"memory_gb": 64.0})}
+    )
+    state.on_queued(queued("j2").model_copy(update={"spec": grown}))
+    third = demand_at(NOW + 2 + DEMAND_EVERY_S)
+    assert (first["j2"]["memory_gb"], third["j2"]["memory_gb"]) == (32, 64)
+    assert third["j2"]["codes"] == first["j2"]["codes"]  # the same codes: only the request changed
+    assert third["j3"] == second["j3"]
 
 
 def test_with_many_waiting_a_cycle_explains_them_at_most_every_gap() -> None:
