@@ -6,7 +6,7 @@ topics whose relative order is not guaranteed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +25,7 @@ from schemas.events import (
     RunFailed,
 )
 from schemas.job import JobSpec, JobState
+from services.common.frozen import evolve
 
 _RANK = {JobState.SUBMITTED: 0, JobState.QUEUED: 1, JobState.PLACED: 2, JobState.RUNNING: 3}
 
@@ -201,17 +202,17 @@ def project(view: JobView | None, env: Envelope, payload: Any) -> tuple[JobView 
 def _advance(view: JobView, state: JobState, at: datetime, **changes: Any) -> JobView:
     if rank(state) < rank(view.state) or view.state.terminal:
         return view
-    return replace(view, state=state, updated_at=max(at, view.updated_at), **changes)
+    return evolve(view, state=state, updated_at=max(at, view.updated_at), **changes)
 
 
 def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView | None:
     if isinstance(p, JobQueued):
         base = view or JobView(p.job_id, p.spec.tenant, JobState.SUBMITTED, p.submitted_at, at)
-        base = replace(base, spec=base.spec or p.spec)
+        base = evolve(base, spec=base.spec or p.spec)
         requeued = p.requeue_of_attempt is not None and p.requeue_of_attempt >= base.attempt
         if requeued and not base.state.terminal:
             # The platform ended the run: the one step back a job takes.
-            return replace(
+            return evolve(
                 base,
                 state=JobState.QUEUED,
                 updated_at=max(at, base.updated_at),
@@ -247,21 +248,21 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
         if moved is view and (view.placement is None or view.placement.attempt <= p.attempt):
             # The run's start (another topic) came first: the job is already running this
             # attempt, or ended; the decision still says which devices it holds or held.
-            return replace(view, placement=placement)
+            return evolve(view, placement=placement)
         return moved
     if isinstance(p, JobCheckpointRequested):
         # The preemptor asked the run to checkpoint: it is stopped when the grace period ends.
         if p.attempt == view.attempt and view.state is JobState.RUNNING:
-            return replace(view, state=JobState.PREEMPTING, updated_at=max(at, view.updated_at))
+            return evolve(view, state=JobState.PREEMPTING, updated_at=max(at, view.updated_at))
         return view
     if isinstance(p, PreemptionCanceled):
         if p.attempt == view.attempt and view.state is JobState.PREEMPTING:
-            return replace(view, state=JobState.RUNNING, updated_at=max(at, view.updated_at))
+            return evolve(view, state=JobState.RUNNING, updated_at=max(at, view.updated_at))
         return view
     if isinstance(p, JobPreempted):
         leaving = (JobState.PLACED, JobState.RUNNING, JobState.PREEMPTING)
         if p.attempt == view.attempt and view.state in leaving:
-            return replace(
+            return evolve(
                 view,
                 state=JobState.QUEUED,
                 updated_at=max(at, view.updated_at),
@@ -273,14 +274,14 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
         # until then the state stays, but late events of this run move the job no more.
         if view.state.terminal or p.attempt <= view.ended_attempt or p.attempt < view.attempt:
             return view
-        return replace(view, ended_attempt=p.attempt, updated_at=max(at, view.updated_at))
+        return evolve(view, ended_attempt=p.attempt, updated_at=max(at, view.updated_at))
     if isinstance(p, PlacementRefused):
         # A deposed leader's copy moves nothing: its successor's placement (of this attempt or
         # the next) does (queue.lifecycle.on_refused).
         if p.reason_code == "stale_epoch":
             return view
         if view.state is JobState.PLACED and p.attempt == view.attempt:
-            return replace(view, state=JobState.QUEUED, updated_at=at)
+            return evolve(view, state=JobState.QUEUED, updated_at=at)
         return view
     if isinstance(p, JobStarted):
         if p.attempt < view.attempt or p.attempt <= view.ended_attempt:

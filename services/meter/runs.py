@@ -13,11 +13,12 @@ failure, retried or not) closes a run the same way.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
 from schemas.events import ClusterCapacity, ReplicaAssignment
+from services.common.frozen import evolve
 from services.meter.pricing import Pool, PriceBook
 from services.meter.ticks import Grid, Run, Share, Tick, bill_through, close_run
 
@@ -160,19 +161,19 @@ def _take(st: RunState, fact: Fact, book: PriceBook) -> RunState:
             book.shares(fact.cluster, fact.accelerator_type, list(fact.replicas)),
         )
         kept = tuple(p for p in st.placements if p.epoch != fact.epoch)
-        return replace(st, placements=(*kept, placement))
+        return evolve(st, placements=(*kept, placement))
     if isinstance(fact, Refused):
         if st.phase is not Phase.PENDING:
             return st  # it started after all (or ended): a refusal of another epoch
-        return replace(st, placements=tuple(p for p in st.placements if p.epoch != fact.epoch))
+        return evolve(st, placements=tuple(p for p in st.placements if p.epoch != fact.epoch))
     if isinstance(fact, Started):
         if st.started_at is not None:
             return st
-        return replace(st, started_at=fact.started_at, nodes=tuple(sorted(fact.nodes)))
+        return evolve(st, started_at=fact.started_at, nodes=tuple(sorted(fact.nodes)))
     if isinstance(fact, Finished):
         if st.ran_u is not None or not fact.measured:
             return st
-        return replace(st, ran_u=fact.ran_u, outcome=fact.outcome)
+        return evolve(st, ran_u=fact.ran_u, outcome=fact.outcome)
     return st
 
 
@@ -202,10 +203,10 @@ def advance(st: RunState, grid: Grid) -> tuple[RunState, list[Tick]]:
                 p.shares,
                 start_v=grid.virtual(st.started_at),
             )
-            st = replace(st, phase=Phase.OPEN, run=run, placements=(p,))
+            st = evolve(st, phase=Phase.OPEN, run=run, placements=(p,))
     if st.phase is Phase.OPEN and st.ran_u is not None and st.run is not None:
         ticks = close_run(st.run, st.ran_u, grid, st.outcome)
-        return replace(st, phase=Phase.CLOSED, placements=()), ticks
+        return evolve(st, phase=Phase.CLOSED, placements=()), ticks
     return st, []
 
 
@@ -226,6 +227,6 @@ def bill_open(
         held_back |= through < last_index
         run, new = bill_through(st.run, through, grid)
         if new:
-            changed.append(replace(st, run=run))
+            changed.append(evolve(st, run=run))
             ticks.extend(new)
     return changed, ticks, held_back

@@ -14,13 +14,14 @@ its ticks add up exactly to count x ran and to the cost of that, rounded once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 from fractions import Fraction
 from typing import NamedTuple
 
 from schemas.usage import TickKind
+from services.common.frozen import evolve
 
 MICRO = 1_000_000
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -216,7 +217,7 @@ def bill_through(run: Run, last_index: int, grid: Grid) -> tuple[Run, list[Tick]
         return run, []
     parts = spans(run.start_v, run.billed_u, until, grid)
     ticks = [t for s in run.shares for t in run_ticks(run, s, parts, TickKind.INTERVAL, grid)]
-    return replace(run, billed_u=until), ticks
+    return evolve(run, billed_u=until), ticks
 
 
 def close_run(run: Run, ran_u: int, grid: Grid, outcome: str | None) -> list[Tick]:

@@ -9,7 +9,7 @@ What follows a run that ends before its job is done (preempted, failed): service
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from schemas import topics
@@ -25,6 +25,7 @@ from schemas.events import (
     PlacementRefused,
 )
 from schemas.job import JobSpec, JobState
+from services.common.frozen import evolve
 from services.common.kafka import OutMessage, envelope_for
 
 PRODUCER = "queue"
@@ -120,7 +121,7 @@ def finish(rec: JobRecord, env: Envelope, outcome: Outcome, reason: str, msg: st
 
 def cancel_now(step: Step, env: Envelope, message: str) -> None:
     """A cancel was waiting for the run to end; it has: the job ends canceled."""
-    step.record = replace(
+    step.record = evolve(
         step.record,
         state=JobState.CANCELED,
         reason_code="canceled",
@@ -142,7 +143,7 @@ def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
     if rec.state.terminal or p.attempt < rec.attempt or p.attempt <= rec.ended_attempt:
         return step
     if _rank(rec.state) <= _rank(JobState.PLACED):
-        step.record = replace(
+        step.record = evolve(
             rec,
             state=JobState.PLACED,
             attempt=p.attempt,
@@ -167,7 +168,7 @@ def on_refused(rec: JobRecord, p: PlacementRefused, env: Envelope) -> Step:
     if rec.cancel_requested:
         cancel_now(step, env, "canceled before it started")
     else:
-        step.record = replace(rec, state=JobState.QUEUED, updated_at=env.occurred_at)
+        step.record = evolve(rec, state=JobState.QUEUED, updated_at=env.occurred_at)
     note(step, env, p.reason_code, p.message)
     return step
 
@@ -180,7 +181,7 @@ def on_started(rec: JobRecord, p: JobStarted, env: Envelope) -> Step:
         return step
     if rec.state.terminal or p.attempt < rec.attempt or p.attempt <= rec.ended_attempt:
         return step
-    step.record = replace(
+    step.record = evolve(
         rec,
         state=JobState.RUNNING,
         attempt=p.attempt,
@@ -197,7 +198,7 @@ def on_finished(rec: JobRecord, p: JobFinished, env: Envelope) -> Step:
         return step
     if p.attempt is not None and (p.attempt < rec.attempt or p.attempt <= rec.ended_attempt):
         return step  # an older run's end, or one the platform already ended and requeued
-    step.record = replace(
+    step.record = evolve(
         rec,
         state=JobState(p.outcome.value),
         reason_code=p.reason_code,
@@ -216,7 +217,7 @@ def on_cancel(rec: JobRecord, p: JobCancelRequested, env: Envelope) -> Step:
     who = p.requested_by
     if _rank(rec.state) <= _rank(JobState.QUEUED):
         msg = f"canceled by {who} while {rec.state.value}"
-        step.record = replace(
+        step.record = evolve(
             rec,
             state=JobState.CANCELED,
             reason_code="canceled",
@@ -227,7 +228,7 @@ def on_cancel(rec: JobRecord, p: JobCancelRequested, env: Envelope) -> Step:
         # A placement may already be in flight: make sure it is stopped wherever it lands.
         step.emits.append(_stop(step.record, env, "canceled"))
     else:
-        step.record = replace(rec, cancel_requested=True, updated_at=env.occurred_at)
+        step.record = evolve(rec, cancel_requested=True, updated_at=env.occurred_at)
         step.emits.append(_stop(rec, env, "canceled"))
         msg = f"cancel requested by {who}; stopping on {rec.cluster}"
     note(step, env, "canceled", msg)
@@ -255,7 +256,7 @@ def requeue(
     rec = step.record
     excluded = tuple(dict.fromkeys((*rec.excluded_nodes, *failed_nodes)))
     number = rec.requeues + 1
-    step.record = replace(
+    step.record = evolve(
         rec,
         state=JobState.QUEUED,
         requeues=number,

@@ -12,13 +12,14 @@ Durations in specs and the policy are fleet seconds; `not_before` is wall-clock 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from core.policy import Preemption
 from schemas.envelope import Envelope
 from schemas.events import JobPreempted, Outcome, RunFailed
 from schemas.job import JobSpec, JobState
+from services.common.frozen import evolve
 from services.queue.lifecycle import (
     JobRecord,
     Step,
@@ -81,7 +82,7 @@ def on_preempted(
         return step
     wait = 0.0
     if p.reason_code in CLAIM_REASONS:
-        step.record = replace(rec, claim_preemptions=rec.claim_preemptions + 1)
+        step.record = evolve(rec, claim_preemptions=rec.claim_preemptions + 1)
         wait = backoff.claim_wait_s(step.record.claim_preemptions)
     number = requeue(
         step,
@@ -135,7 +136,7 @@ def on_run_failed(
         )
     wait = retry_wait_s(spec, rec.failures)
     new_spec = _more_memory(spec) if oom else spec
-    step.record = replace(rec, failures=rec.failures + 1)
+    step.record = evolve(rec, failures=rec.failures + 1)
     requeue(step, env, new_spec, p.attempt, not_before=backoff.not_before(env.occurred_at, wait))
     msg = f"{p.message}; retry {rec.failures + 1} of {retry.max_retries} in {wait:g} s"
     if new_spec is not spec:
@@ -151,7 +152,7 @@ def on_run_failed(
 def _fail(step: Step, p: RunFailed, env: Envelope, message: str) -> Step:
     reason = p.reason_code or APPLICATION_ERROR
     rec = step.record
-    step.record = replace(
+    step.record = evolve(
         rec,
         state=JobState.FAILED,
         reason_code=reason,
