@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.bounds import Name
 from schemas.job import JobSpec
 
 
@@ -116,8 +117,24 @@ class ReplicaAssignment(Payload):
         return self
 
 
-class PlacementDecided(Payload):
-    """The scheduler's decision; `epoch` fences a deposed leader's late decisions."""
+class SpecHead(BaseModel):
+    """What the services that follow placements without running them read of the placed
+    job's spec: who pays for it and whether it may be preempted. The rest of the spec is
+    skipped unparsed, which is most of the cost of reading a placement."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    tenant: Name
+    project: Name = "default"
+    user: Name = "unknown"
+    preemptible: bool = True
+
+
+class PlacementHead(Payload):
+    """A placement as the gateway, the queue, the meter and the preemptor read it: every
+    field of `PlacementDecided`, its spec as a `SpecHead`. The executor that runs the job
+    reads the whole spec (and refuses a placement whose spec is not valid); so do the
+    schedulers, whose snapshots keep placements whole."""
 
     job_id: str
     attempt: int
@@ -126,7 +143,14 @@ class PlacementDecided(Payload):
     cluster: str
     accelerator_type: str
     replicas: list[ReplicaAssignment]
-    spec: JobSpec
+    spec: SpecHead
+
+
+class PlacementDecided(PlacementHead):
+    """The scheduler's decision; `epoch` fences a deposed leader's late decisions."""
+
+    # The whole spec: a JobSpec holds every field of a SpecHead, with the same bounds.
+    spec: JobSpec  # type: ignore[assignment]
 
 
 class PlacementRefused(Payload):

@@ -25,7 +25,7 @@ from schemas.events import (
     JobQueued,
     JobRejected,
     JobStarted,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     PreemptionCanceled,
     RunFailed,
@@ -43,7 +43,7 @@ CREATING = (JobQueued, JobRejected)
 PROJECTED: dict[str, type[BaseModel]] = {
     topics.JOB_QUEUED: JobQueued,
     topics.JOB_REJECTED: JobRejected,
-    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_DECIDED: PlacementHead,
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,

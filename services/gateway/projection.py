@@ -19,7 +19,7 @@ from schemas.events import (
     JobQueued,
     JobRejected,
     JobStarted,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     PreemptionCanceled,
     RunFailed,
@@ -90,7 +90,7 @@ class Placement:
         )
 
 
-def placement_of(p: PlacementDecided) -> Placement:
+def placement_of(p: PlacementHead) -> Placement:
     return Placement(
         attempt=p.attempt,
         cluster=p.cluster,
@@ -231,7 +231,7 @@ def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView 
         )
     if view is None:
         return None  # lifecycle of a job this gateway has not heard of yet
-    if isinstance(p, PlacementDecided):
+    if isinstance(p, PlacementHead):
         if p.attempt < view.attempt or p.attempt <= view.ended_attempt:
             return view
         nodes = tuple(sorted({r.node_id for r in p.replicas}))
@@ -312,7 +312,7 @@ def _words(p: Any, view: JobView | None) -> tuple[str | None, str | None]:
         )
     if isinstance(p, PreemptionCanceled):
         return p.reason_code, f"not preempted: {p.message}"
-    if isinstance(p, PlacementDecided):
+    if isinstance(p, PlacementHead):
         nodes = sorted({r.node_id for r in p.replicas})
         return None, f"placed on {p.cluster}: {', '.join(nodes)} (attempt {p.attempt})"
     if isinstance(p, JobStarted):

@@ -14,7 +14,7 @@ from schemas.events import (
     JobFinished,
     JobPreempted,
     JobStarted,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     RunFailed,
 )
@@ -27,7 +27,7 @@ from services.meter.ticks import micros
 CONSUMER = "meter"
 
 PAYLOADS: dict[str, type[BaseModel]] = {
-    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_DECIDED: PlacementHead,
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
@@ -39,7 +39,7 @@ TOPICS = tuple(PAYLOADS)
 
 
 def _fact(payload: Any, producer: str) -> Fact | None:
-    if isinstance(payload, PlacementDecided):
+    if isinstance(payload, PlacementHead):
         s = payload.spec
         return Placed(
             payload.job_id,

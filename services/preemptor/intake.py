@@ -18,7 +18,7 @@ from schemas.events import (
     JobPreempted,
     JobStarted,
     LeaderFence,
-    PlacementDecided,
+    PlacementHead,
     PreemptionRequested,
     RunFailed,
 )
@@ -31,7 +31,7 @@ CONSUMER = "preemptor"
 
 PAYLOADS: dict[str, type[BaseModel]] = {
     topics.PREEMPTION_REQUESTED: PreemptionRequested,
-    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_DECIDED: PlacementHead,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
@@ -122,7 +122,7 @@ def _fold(batch: Batch, env: Envelope, payload: Any) -> None:
         batch.requests.append(
             Incoming(env, payload, to_request(env.event_id, env.occurred_at, payload))
         )
-    elif isinstance(payload, PlacementDecided):
+    elif isinstance(payload, PlacementHead):
         batch.epoch = max(batch.epoch, payload.epoch)
         batch.add_fact(
             JobFacts(

@@ -18,7 +18,7 @@ from schemas.events import (
     JobPreempted,
     JobRejected,
     JobStarted,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     RejectReason,
     RunFailed,
@@ -38,7 +38,7 @@ CONSUMER = "queue"
 
 LIFECYCLE_PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_CANCEL_REQUESTED: JobCancelRequested,
-    topics.PLACEMENT_DECIDED: PlacementDecided,
+    topics.PLACEMENT_DECIDED: PlacementHead,
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_STARTED: JobStarted,
     topics.JOB_FINISHED: JobFinished,

@@ -21,7 +21,7 @@ from schemas.events import (
     JobStarted,
     JobStopOrdered,
     Outcome,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
 )
 from schemas.job import JobSpec, JobState
@@ -134,7 +134,7 @@ def cancel_now(step: Step, env: Envelope, message: str) -> None:
 STALE_EPOCH = "stale_epoch"  # the executor's reason code for a deposed leader's placement
 
 
-def on_placed(rec: JobRecord, p: PlacementDecided, env: Envelope) -> Step:
+def on_placed(rec: JobRecord, p: PlacementHead, env: Envelope) -> Step:
     step = Step(rec)
     if rec.state is JobState.CANCELED or rec.cancel_requested:
         step.emits.append(_stop(rec, env, "canceled"))

@@ -15,7 +15,7 @@ from schemas.events import (
     JobQueued,
     JobRejected,
     JobStarted,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     RejectReason,
     RunFailed,
@@ -297,7 +297,7 @@ def _transition(
         return retries.on_run_failed(record, p, env, spec, backoff)
     if isinstance(p, JobPreempted):
         return retries.on_preempted(record, p, env, spec, backoff)
-    if isinstance(p, PlacementDecided):
+    if isinstance(p, PlacementHead):
         return lifecycle.on_placed(record, p, env)
     if isinstance(p, PlacementRefused):
         return lifecycle.on_refused(record, p, env)
