@@ -8,10 +8,12 @@ about 20 us for the gateway's fourteen-field view on a slow machine, and the pro
 fold. For a plain dataclass the new instance is the old one's fields with the changes laid
 over them, so `evolve` copies the instance dictionary instead.
 
-A class qualifies when every field is an init field, it keeps its fields in an instance
-dictionary (no `__slots__`), and it has no `__post_init__` (which `replace` would run) and
-no `functools.cached_property` (whose cached value would be copied with the fields). Any
-other class is handed to `replace`, so the result is always what `replace` returns.
+A class qualifies when its `__init__` is the one `dataclass` generated, every field is an
+init field and none is an `InitVar`, it keeps its fields in an instance dictionary (no
+`__slots__` in it or a base), and it has no `__post_init__`, no `__new__` of its own and no
+`functools.cached_property` (whose cached value would be copied with the fields). Any other
+class is handed to `replace`, and so is an instance holding an attribute besides its fields,
+so the result is always what `replace` returns.
 """
 
 from __future__ import annotations
@@ -25,13 +27,27 @@ T = TypeVar("T")
 
 @functools.cache
 def _copyable(cls: type) -> frozenset[str] | None:
-    """The field names of `cls` if a copy of its dictionary is a faithful `replace`."""
+    """The field names of `cls` if a copy of its dictionary is a faithful `replace`: the
+    class's `__init__` is the one `dataclass` wrote (it sets each field and nothing else),
+    and nothing else runs or is kept when an instance is made."""
     if not dataclasses.is_dataclass(cls) or hasattr(cls, "__post_init__"):
         return None
+    init = getattr(cls.__init__, "__code__", None)
+    if init is None or init.co_filename != "<string>" or init.co_name != "__init__":
+        return None  # no generated __init__ (init=False), or one written by hand
+    if cls.__new__ is not object.__new__:
+        return None
+    initvar = getattr(dataclasses, "_FIELD_INITVAR", None)
+    if initvar is None or any(
+        getattr(f, "_field_type", None) is initvar for f in cls.__dataclass_fields__.values()
+    ):
+        return None  # an InitVar (fields() leaves them out): replace requires and checks them
     fields = dataclasses.fields(cls)
-    if any(not f.init for f in fields) or "__slots__" in vars(cls):
+    if any(not f.init for f in fields):
         return None
     for klass in cls.__mro__:
+        if "__slots__" in vars(klass) and klass is not object:
+            return None
         if any(isinstance(v, functools.cached_property) for v in vars(klass).values()):
             return None
     return frozenset(f.name for f in fields)
@@ -40,6 +56,8 @@ def _copyable(cls: type) -> frozenset[str] | None:
 def evolve(obj: T, **changes: Any) -> T:
     """`dataclasses.replace(obj, **changes)`, faster for a plain dataclass."""
     names = _copyable(type(obj))
+    # An instance's dictionary holds its fields: an attribute set besides them (no slot can
+    # hold one, _copyable refuses slots) makes it longer than the field names.
     if names is None or not changes.keys() <= names or len(obj.__dict__) != len(names):
         # Not plain, a name that is no field (replace words the error), or an instance
         # carrying more than its fields: the slow way.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -12,6 +13,7 @@ from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel
 from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -74,6 +76,30 @@ def owed_dead_letters(dead: list[OutMessage]) -> list[OutMessage]:
 
 def feed_channel(job_id: str) -> str:
     return f"qm:job-events:{job_id}"
+
+
+# How long a watcher waits for Redis to confirm its subscription before it gives up.
+SUBSCRIBE_CONFIRM_S = 5.0
+
+
+async def subscribe_confirmed(
+    pubsub: PubSub, channel: str, timeout_s: float = SUBSCRIBE_CONFIRM_S
+) -> None:
+    """Subscribe to `channel` and return once Redis has confirmed it (redis-py's `subscribe`
+    only sends the command). A watcher reads the job's history after this: then a line the
+    projection counted no subscriber for (Projector._announce) was committed before the
+    history was read, and is in it. Raises redis' TimeoutError when no confirmation comes."""
+    await pubsub.subscribe(channel)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                # A fresh connection's first reply to SUBSCRIBE is its confirmation: Redis
+                # sends nothing published on the channel before it.
+                msg = await pubsub.get_message(ignore_subscribe_messages=False, timeout=timeout_s)
+                if msg is not None and msg["type"] == "subscribe":
+                    return
+    except TimeoutError:
+        raise RedisTimeoutError(f"Redis did not confirm the subscription to {channel}") from None
 
 
 # One message per projected batch naming the jobs whose row changed (the dashboard's live
@@ -256,14 +282,12 @@ class Projector:
             replies = await pipe.execute()
         if not channels:
             return
-        watched = {_text(channel) for channel, count in replies[0] if count}
+        # NUMSUB answers in the order it was asked: matched by position, not by name.
+        counts = [count for _, count in replies[0]]
+        watched = {c for c, count in zip(channels, counts, strict=True) if count}
         wanted = [ln for ln in lines if feed_channel(ln.job_id) in watched]
         if wanted:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for ln in wanted:
                     pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
                 await pipe.execute()
-
-
-def _text(channel: bytes | str) -> str:
-    return channel.decode() if isinstance(channel, bytes) else channel

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
+
+from redis.exceptions import RedisError
 
 from schemas.job import JobState
 from services.gateway import store
 from services.gateway.context import Gateway
-from services.gateway.handlers import feed_channel
+from services.gateway.handlers import feed_channel, subscribe_confirmed
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 KEEP_ALIVE_EVERY_S = 15
@@ -22,9 +25,9 @@ async def event_stream(
     gw: Gateway, job_id: str, can_read: Callable[[str], bool]
 ) -> AsyncIterator[str]:
     pubsub = gw.redis.pubsub()
-    # Subscribe before reading history so nothing falls between the two.
-    await pubsub.subscribe(feed_channel(job_id))
     try:
+        # Subscribed (confirmed) before the history is read, so nothing falls between the two.
+        await subscribe_confirmed(pubsub, feed_channel(job_id))
         seen: set[str] = set()
         for row in await store.history(gw.pool, job_id, can_read):
             item = {
@@ -53,5 +56,6 @@ async def event_stream(
             if item.get("state") in TERMINAL:
                 return
     finally:
-        await pubsub.unsubscribe()
-        await pubsub.aclose()
+        with contextlib.suppress(RedisError, OSError):  # Redis may be what failed
+            await pubsub.unsubscribe()
+        await pubsub.aclose()  # type: ignore[no-untyped-call]

@@ -12,9 +12,15 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.gateway import store
-from services.gateway.handlers import CHANGES_CHANNEL, Projector, feed_channel
+from services.gateway.handlers import (
+    CHANGES_CHANNEL,
+    Projector,
+    feed_channel,
+    subscribe_confirmed,
+)
 from tests.integration import test_gateway_early_events as early
 from tests.integration.test_gateway_early_events import placed, queued
 
@@ -80,7 +86,8 @@ async def test_a_job_watched_after_its_batch_finds_the_lines_in_its_history(
     # one listened), and the history, read after the batch committed, holds it.
     watcher = redis.pubsub()
     try:
-        await watcher.subscribe(feed_channel("j-later"), SENTINEL)
+        await watcher.subscribe(SENTINEL)
+        await subscribe_confirmed(watcher, feed_channel("j-later"))
         history = await store.history(pool, "j-later", lambda _tenant: True)
         assert [r["type"] for r in history] == ["JobQueued"]
         assert await until_sentinel(watcher, redis) == []
@@ -91,3 +98,32 @@ async def test_a_job_watched_after_its_batch_finds_the_lines_in_its_history(
         assert [json.loads(m["data"])["type"] for m in got] == ["PlacementDecided"]
     finally:
         await watcher.aclose()
+
+
+async def test_a_confirmed_subscription_is_counted_when_it_returns(
+    rig: tuple[asyncpg.Pool, Redis],
+) -> None:
+    """What the argument for skipping unwatched channels needs: once subscribe_confirmed
+    returns, Redis counts the watcher, so a batch that commits after the watcher read the
+    history publishes to it."""
+    _, redis = rig
+    watcher = redis.pubsub()
+    try:
+        await subscribe_confirmed(watcher, feed_channel("j-now"))
+        assert await redis.pubsub_numsub(feed_channel("j-now")) == [
+            (feed_channel("j-now").encode(), 1)
+        ]
+    finally:
+        await watcher.aclose()
+
+
+async def test_no_confirmation_is_a_redis_timeout() -> None:
+    class Silent:
+        async def subscribe(self, *channels: str) -> None:
+            pass
+
+        async def get_message(self, **_: Any) -> None:
+            await asyncio.sleep(0.01)
+
+    with pytest.raises(RedisTimeoutError):
+        await subscribe_confirmed(Silent(), "qm:job-events:x", timeout_s=0.05)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ from services.gateway.context import Gateway
 from services.gateway.dashboard import queries
 from services.gateway.dashboard.queries import JobQuery
 from services.gateway.dashboard.session import Viewer
-from services.gateway.handlers import CHANGES_CHANNEL, feed_channel
+from services.gateway.handlers import CHANGES_CHANNEL, feed_channel, subscribe_confirmed
 
 log = structlog.get_logger()
 
@@ -184,8 +184,9 @@ async def _changes(request: Request, gw: Gateway) -> AsyncIterator[Next]:
 @contextlib.asynccontextmanager
 async def _channel(gw: Gateway, channel: str) -> AsyncIterator[Next]:
     pubsub = gw.redis.pubsub()
-    await pubsub.subscribe(channel)
     try:
+        # Confirmed before the caller reads the history (job_stream's first batch).
+        await subscribe_confirmed(pubsub, channel)
 
         async def next_message(wait_s: float) -> Any | None:
             msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=wait_s)

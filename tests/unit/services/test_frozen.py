@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime
 
 import pytest
@@ -51,6 +51,40 @@ class Slotted:
     b: int = 0
 
 
+@dataclass(frozen=True)
+class Counted:
+    a: int
+    seen: int = field(default=0, init=False)  # replace resets it to its default
+
+
+@dataclass
+class Handmade:
+    a: int
+
+    def __init__(self, a: int) -> None:
+        self.a = abs(a)
+
+
+@dataclass(init=False)
+class NoInit:
+    a: int = 0
+
+
+@dataclass
+class WithInitVar:
+    a: int
+    scale: InitVar[int] = 1
+
+
+class SlottedBase:
+    __slots__ = ("extra",)
+
+
+@dataclass
+class OnSlottedBase(SlottedBase):
+    a: int
+
+
 @given(st.integers(), st.text(), st.lists(st.integers()).map(tuple), st.booleans())
 def test_the_same_as_replace_for_a_plain_class(a: int, b: str, c: tuple[int, ...], h: bool) -> None:
     old = Plain(1, hidden=True)
@@ -79,6 +113,20 @@ def test_a_class_with_post_init_or_a_cached_property_or_slots_goes_through_repla
     assert evolve(Slotted(1), b=2) == Slotted(1, 2)
     assert _copyable(Derived) is None and _copyable(Cached) is None
     assert _copyable(Slotted) is None
+
+
+def test_classes_replace_treats_otherwise_go_through_replace() -> None:
+    counted = Counted(1)
+    object.__setattr__(counted, "seen", 5)
+    assert evolve(counted, a=2) == dataclasses.replace(counted, a=2)
+    assert evolve(counted, a=2).seen == 0
+    assert evolve(Handmade(1), a=-3).a == 3  # its own __init__ ran
+    assert evolve(WithInitVar(1), a=2) == dataclasses.replace(WithInitVar(1), a=2)
+    on_base = OnSlottedBase(1)
+    on_base.extra = 7
+    assert not hasattr(evolve(on_base, a=2), "extra")
+    for cls in (Counted, Handmade, NoInit, WithInitVar, OnSlottedBase):
+        assert _copyable(cls) is None, cls
 
 
 def test_an_instance_carrying_more_than_its_fields_goes_through_replace() -> None:
