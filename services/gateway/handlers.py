@@ -268,8 +268,9 @@ class Projector:
         is subscribed to that channel now: most jobs are never watched, and a publish per
         line cost the gateway and Redis more than the batch's other work with Redis.
 
-        Nothing falls between the count and a new watcher: a watcher subscribes before it
-        reads the job's history. If Redis saw its SUBSCRIBE before our count, the line is
+        Nothing falls between the count and a new watcher: a watcher subscribes, and waits
+        for Redis to confirm it (subscribe_confirmed), before it reads the job's history. If
+        Redis saw its SUBSCRIBE before our count, the line is
         published to it; if after, it reads the history after our commit (the count comes
         after it), so the line is there. Pattern subscriptions are not counted: a client
         that wants every job's lines follows CHANGES_CHANNEL and reads the history."""
