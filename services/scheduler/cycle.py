@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from core.cycle import decide
 from core.decisions import PreemptionDecision
 from core.fairshare import accrue_rates
-from core.model import Allocation, JobId, TenantId
+from core.model import Allocation, JobId, JobRequest, TenantId
 from core.policy import Policy
 from core.reasons import PendingExplanation, ReasonCode
 from schemas import topics
@@ -179,7 +179,7 @@ class Cycle:
         self.demand_sent: tuple[tuple[object, ...], float] | None = None
         # The demand item last built for each job in it, with the request and codes it was
         # built from: a job waiting through a burst is in every demand, unchanged.
-        self._demand_items: dict[JobId, tuple[object, tuple[str, ...], DemandItem]] = {}
+        self._demand_items: dict[JobId, tuple[JobRequest, tuple[str, ...], DemandItem]] = {}
         # The policy with budget deprioritizations applied, per (month, factors): the same
         # object while they hold, so the working set is rebuilt only when they change.
         self._weighted: tuple[tuple[str, tuple[tuple[str, float], ...]], Policy] | None = None
@@ -494,19 +494,24 @@ class Cycle:
         self, pending: Mapping[JobId, PendingExplanation], epoch: int, now: float
     ) -> tuple[OutMessage, tuple[object, ...]] | None:
         """The pending jobs that wait for capacity alone, head of the queue first, for the
-        autoscaler: when that set changes (at most every DEMAND_MIN_GAP_S), and every
-        DEMAND_EVERY_S anyway (so an autoscaler that starts hears it soon)."""
+        autoscaler: when that set (its jobs, their codes or requests) changes, at most every
+        DEMAND_MIN_GAP_S, and every DEMAND_EVERY_S anyway (so an autoscaler that starts
+        hears it soon)."""
         last = self.demand_sent
         if last is not None and now - last[1] < DEMAND_MIN_GAP_S:
             return None
-        waiting: list[tuple[JobId, tuple[str, ...]]] = []
+        # Each job with its codes and its request (the state replaces a request that changes,
+        # so a job back with more memory changes the signature; comparing an unchanged one
+        # stops at its identity).
+        waiting: list[tuple[JobId, tuple[str, ...], JobRequest]] = []
         for job_id, why in pending.items():
             codes = {str(c) for c in why.codes}
-            if job_id not in self.state.pending:
+            job = self.state.pending.get(job_id)
+            if job is None:
                 continue
             if not codes & CAPACITY_CODES or codes & NOT_FOR_CAPACITY:
                 continue
-            waiting.append((job_id, tuple(sorted(codes))))
+            waiting.append((job_id, tuple(sorted(codes)), job))
             if len(waiting) >= DEMAND_MAX:
                 break
         signature = tuple(waiting)
@@ -516,9 +521,8 @@ class Cycle:
             return None
         # Built only when it goes out: most cycles change nothing here.
         items = []
-        built: dict[JobId, tuple[object, tuple[str, ...], DemandItem]] = {}
-        for job_id, held_codes in waiting:
-            job = self.state.pending[job_id]
+        built: dict[JobId, tuple[JobRequest, tuple[str, ...], DemandItem]] = {}
+        for job_id, held_codes, job in waiting:
             cached = self._demand_items.get(job_id)
             if cached is not None and cached[0] is job and cached[1] == held_codes:
                 items.append(cached[2])

@@ -30,7 +30,6 @@ from schemas.events import (
     PlacementRefused,
 )
 from services.scheduler.cycle import (
-    DEMAND_EVERY_S,
     EXPLAIN_ALWAYS_UP_TO,
     EXPLAIN_GAP_S,
     EXPLAIN_MOST,
@@ -342,13 +341,13 @@ def test_a_demand_carries_each_job_as_it_is_now_though_items_are_kept_between_se
     assert list(second) == ["j2", "j3"] and second["j2"] == first["j2"]
 
     # j2 comes back asking for more memory (as after running out of it): a new request, so
-    # the next demand says so (the same jobs and codes go out again after DEMAND_EVERY_S),
-    # whatever was built for j2 before.
+    # the next demand (a changed request is a changed demand) says so, whatever was built
+    # for j2 before.
     grown = queued("j2").spec.model_copy(
         update={"resources": queued("j2").spec.resources.model_copy(update={"memory_gb": 64.0})}
     )
     state.on_queued(queued("j2").model_copy(update={"spec": grown}))
-    third = demand_at(NOW + 2 + DEMAND_EVERY_S)
+    third = demand_at(NOW + 4)  # not DEMAND_EVERY_S later: the request changed
     assert (first["j2"]["memory_gb"], third["j2"]["memory_gb"]) == (32, 64)
     assert third["j2"]["codes"] == first["j2"]["codes"]  # the same codes: only the request changed
     assert third["j3"] == second["j3"]
