@@ -274,7 +274,8 @@ class Projector:
         published to it; if after, it reads the history after our commit (the count comes
         after it), so the line is there. Pattern subscriptions are not counted: a client
         that wants every job's lines follows CHANGES_CHANNEL and reads the history."""
-        channels = list(dict.fromkeys(feed_channel(ln.job_id) for ln in lines))
+        on = [(feed_channel(ln.job_id), ln) for ln in lines]
+        channels = list(dict.fromkeys(channel for channel, _ in on))
         async with self.redis.pipeline(transaction=False) as pipe:
             if channels:
                 pipe.pubsub_numsub(*channels)
@@ -284,11 +285,10 @@ class Projector:
         if not channels:
             return
         # NUMSUB answers in the order it was asked: matched by position, not by name.
-        counts = [count for _, count in replies[0]]
-        watched = {c for c, count in zip(channels, counts, strict=True) if count}
-        wanted = [ln for ln in lines if feed_channel(ln.job_id) in watched]
+        watched = {c for c, (_, n) in zip(channels, replies[0], strict=True) if n}
+        wanted = [(channel, ln) for channel, ln in on if channel in watched]
         if wanted:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for ln in wanted:
-                    pipe.publish(feed_channel(ln.job_id), json.dumps(ln.as_json()))
+                for channel, ln in wanted:
+                    pipe.publish(channel, json.dumps(ln.as_json()))
                 await pipe.execute()

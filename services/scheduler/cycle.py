@@ -175,7 +175,7 @@ class Cycle:
         self.told: dict[JobId, Told] = {}
         self.usage: dict[TenantId, float] = {}
         self.last_accrual: float | None = None
-        # The capacity demand last sent (its jobs and codes) and when.
+        # The capacity demand last sent (its jobs, their codes and requests) and when.
         self.demand_sent: tuple[tuple[object, ...], float] | None = None
         # The demand item last built for each job in it, with the request and codes it was
         # built from: a job waiting through a burst is in every demand, unchanged.
