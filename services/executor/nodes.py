@@ -80,7 +80,9 @@ class NodeBook:
         """Why this gang cannot be honoured on these nodes, or None if it can. A gang that
         already runs (`new=False`, restored after a restart) is booked even on a node that has
         since turned unhealthy: its devices are taken until it is handed back."""
-        trial = {nid: list(u.devices) for nid, u in self.use.items()}
+        # The gang's own nodes only, copied as it reaches them: a copy of every node's books
+        # made a check cost what the cluster's size does (1.9 ms at 5,000 nodes).
+        trial: dict[str, list[int]] = {}
         extra_cpu: dict[str, float] = {}
         extra_mem: dict[str, float] = {}
         for r in replicas:
@@ -89,18 +91,19 @@ class NodeBook:
                 return f"node {r.node_id} is not in this cluster"
             if new and not use.node.healthy:
                 return f"node {r.node_id} is unhealthy"
-            taken = _take_devices(
-                trial[r.node_id], r.accelerators, r.devices, use.node.accelerators
-            )
+            devices = trial.get(r.node_id)
+            if devices is None:
+                devices = trial[r.node_id] = list(use.devices)
+            taken = _take_devices(devices, r.accelerators, r.devices, use.node.accelerators)
             if isinstance(taken, str):
-                free = sum(1 for d in trial[r.node_id] if d >= MILLI)
+                free = sum(1 for d in devices if d >= MILLI)
                 return (
                     f"node {r.node_id} has {free} whole {use.node.accelerator.type} free of "
                     f"{use.node.accelerators}; replica {r.replica} asks for {r.accelerators:g}"
                     f"{' on ' + str(r.devices) if r.devices else ''}: {taken}"
                 )
             for i, amount in taken:
-                trial[r.node_id][i] -= amount
+                devices[i] -= amount
             extra_cpu[r.node_id] = extra_cpu.get(r.node_id, 0.0) + r.cpu
             extra_mem[r.node_id] = extra_mem.get(r.node_id, 0.0) + r.memory_gb
             if use.cpu + extra_cpu[r.node_id] > use.node.cpu + EPS:

@@ -86,3 +86,63 @@ def test_whatever_is_asked_the_books_never_overcommit(asks: list[tuple[int, floa
         if i % 3 == 2:
             book.release(f"j{i - 1}")
     assert all(u.allocated_accelerators <= u.node.accelerators + 1e-9 for u in book.use.values())
+
+
+class _Untouchable:
+    """A node's books that fail when read: a check must not read nodes its gang is not on."""
+
+    @property
+    def devices(self) -> list[int]:
+        raise AssertionError("read a node the gang is not on")
+
+    node = devices
+
+
+def test_a_check_reads_only_the_nodes_its_gang_is_on() -> None:
+    # Copying every node's books for each check made it cost what the cluster's size does.
+    book = NodeBook(nodes(4))
+    book.use["n3"] = _Untouchable()  # type: ignore[assignment]
+    gang = [rep("n0", 4), rep("n1", 8, replica=1), rep("n0", 4, replica=2)]
+    assert book.check(gang) is None
+    assert book.check([*gang, rep("n0", 1, replica=3)]) is not None  # n0 is full by then
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 2), st.sampled_from([0.25, 0.5, 1, 2, 4, 8])),
+            min_size=1,
+            max_size=4,
+        ),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_a_gang_is_refused_exactly_when_its_replicas_together_do_not_fit(
+    gangs: list[list[tuple[int, float]]],
+) -> None:
+    """Replicas of one gang on the same node count against each other; the verdict matches
+    booking them one by one on a copy of the books."""
+    book = NodeBook(nodes(3))
+    for i, asks in enumerate(gangs):
+        replicas = [rep(f"n{node}", gpus, replica=k) for k, (node, gpus) in enumerate(asks)]
+        trial = NodeBook(nodes(3))
+        for job_id, held in book.by_job.items():
+            trial.by_job[job_id] = held
+            for node_id, taken, cpu, mem in held:
+                use = trial.use[node_id]
+                for d, amount in taken:
+                    use.devices[d] -= amount
+                use.cpu += cpu
+                use.memory_gb += mem
+        fits = True
+        for k, r in enumerate(replicas):
+            if trial.check([r]) is not None:
+                fits = False
+                break
+            trial.allocate(f"probe{k}", [r])
+        assert (book.check(replicas) is None) == fits
+        if fits:
+            book.allocate(f"j{i}", replicas)
+        assert book.audit() == []
