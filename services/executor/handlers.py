@@ -36,6 +36,7 @@ from services.common.logging import bind_event
 from services.common.outbox import OutboxRelay
 from services.common.tracing import Hops, Tracing, hops, incoming
 from services.executor.backend import (
+    NEVER,
     Action,
     Backend,
     Launch,
@@ -49,6 +50,7 @@ from services.executor.backend import (
 )
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
+from services.executor.running import RunningJobs
 from services.executor.runs import ended_by_itself, fleet_s, preempted, reported_end
 from services.executor.simulated import RunEnd
 from services.executor.store import Checkpoint, ExecutorStore, RunKey, RunningJob, utcnow
@@ -93,7 +95,7 @@ class Executor:
         self.backend: Backend = backend or SimulatedBackend(time_scale, default_duration_s)
         # What the change being committed decided to do outside the process (backend.act).
         self._acts: list[Action] = []
-        self.running: dict[str, RunningJob] = {}
+        self.running = RunningJobs()
         self.due: list[tuple[float, str, int]] = []
         self.epoch = 0
         # Stop orders for jobs not running here: job id -> when (wall seconds). A placement of
@@ -142,7 +144,10 @@ class Executor:
 
     def _track(self, job: RunningJob) -> None:
         self.running[job.job_id] = job
-        heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
+        # A run its backend ends (a Kubernetes gang, an inference service) is never due on the
+        # clock: in the heap it would stay, one entry per placement, until a restart.
+        if job.ends_at - job.started_at < NEVER / 2:
+            heapq.heappush(self.due, (job.ends_at.timestamp(), job.job_id, job.attempt))
 
     def _emit(
         self, topic: str, event_type: str, payload: Any, tenant: str | None, cause: Envelope | None
@@ -241,7 +246,7 @@ class Executor:
             traced.stamp(out)
             tx.emit(out)
         self._observe_startups()
-        self.metrics.allocated.set(sum(u.allocated_accelerators for u in self.book.use.values()))
+        self.metrics.allocated.set(self.book.allocated_accelerators)
         await self.backend.act(self._acts)
 
     def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
@@ -428,7 +433,7 @@ class Executor:
         requeued elsewhere."""
         # Marked already (a redelivery after a failed commit): hand back what still runs there.
         self.book.set_health(down.node_id, healthy=False)
-        hit = [j for j in self.running.values() if down.node_id in j.nodes]
+        hit = self.running.on_node(down.node_id)
         message = f"node {down.node_id} failed ({down.cause}) under a replica of this job"
         log.warning(
             "node lost; handing its gangs back", node=down.node_id, cause=down.cause, jobs=len(hit)

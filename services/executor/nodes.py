@@ -75,6 +75,15 @@ class NodeBook:
     def __init__(self, nodes: dict[str, Node]) -> None:
         self.use = {node_id: NodeUse(node) for node_id, node in nodes.items()}
         self.by_job: dict[str, list[tuple[str, list[tuple[int, int]], float, float]]] = {}
+        # Thousandths booked over all nodes, kept as bookings come and go: the gauge of
+        # accelerators in use is set after every batch, and summing every node's devices
+        # for it cost what the cluster's size does.
+        self.booked_milli = 0
+
+    @property
+    def allocated_accelerators(self) -> float:
+        """Accelerators booked over the whole cluster."""
+        return self.booked_milli / MILLI
 
     def check(self, replicas: list[ReplicaAssignment], *, new: bool = True) -> str | None:
         """Why this gang cannot be honoured on these nodes, or None if it can. A gang that
@@ -127,6 +136,7 @@ class NodeBook:
             assert not isinstance(taken, str), "allocate() after a failed check()"
             for i, amount in taken:
                 use.devices[i] -= amount
+                self.booked_milli += amount
             use.cpu += r.cpu
             use.memory_gb += r.memory_gb
             held.append((r.node_id, taken, r.cpu, r.memory_gb))
@@ -139,7 +149,9 @@ class NodeBook:
         for node_id, taken, cpu, mem in held:
             use = self.use[node_id]
             for i, amount in taken:
-                use.devices[i] = min(MILLI, use.devices[i] + amount)
+                before = use.devices[i]
+                use.devices[i] = min(MILLI, before + amount)
+                self.booked_milli -= use.devices[i] - before
             use.cpu -= cpu
             use.memory_gb -= mem
         return True

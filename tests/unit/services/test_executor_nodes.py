@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -146,3 +149,26 @@ def test_a_gang_is_refused_exactly_when_its_replicas_together_do_not_fit(
         if fits:
             book.allocate(f"j{i}", replicas)
         assert book.audit() == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from([0.25, 0.5, 1, 2, 4, 8]), st.integers(0, 9)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_the_cluster_total_booked_follows_every_booking(asks: list[tuple[int, float, int]]) -> None:
+    """The gauge's total is kept as bookings come and go; it equals summing every node."""
+    book = NodeBook(nodes(3))
+    for i, (node, gpus, other) in enumerate(asks):
+        replicas = [rep(f"n{node}", gpus)]
+        if book.check(replicas) is None:
+            book.allocate(f"j{i}", replicas)
+        if other < 3:
+            book.release(f"j{other * 5}")
+        elif other == 9:  # the node reported again with fewer devices (booked ones stay)
+            book.upsert(replace(book.use[f"n{node}"].node, accelerators=4))
+        total = sum(u.allocated_accelerators for u in book.use.values())
+        assert book.allocated_accelerators == pytest.approx(total, abs=1e-9)
