@@ -10,6 +10,7 @@ tracks (services.health.pace); services.health.stragglers decides over them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -105,21 +106,57 @@ class HealthBook:
     nodes: dict[str, NodeHealth] = field(default_factory=dict)
     incidents: dict[str, Incident] = field(default_factory=dict)
     tracks: dict[str, Track] = field(default_factory=dict)
+    # Kept as changes are applied (`recount` after filling the dicts directly, as the store's
+    # load does): nodes by state, and the jobs each node straggles on. Recounting the fleet
+    # for every batch of heartbeats, or walking every job's track for every node that
+    # stopped straggling, cost what the fleet's size does.
+    by_state: Counter[NodeState] = field(default_factory=Counter, compare=False, repr=False)
+    straggling_on: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
+
+    def recount(self) -> None:
+        self.by_state = Counter(n.state for n in self.nodes.values())
+        self.straggling_on = {}
+        for job_id, track in self.tracks.items():
+            _index(self.straggling_on, job_id, track, add=True)
 
     def apply(self, changes: Changes) -> None:
+        for node in changes.nodes.values():
+            old = self.nodes.get(node.node_id)
+            if old is not None:
+                self.by_state[old.state] -= 1
+            self.by_state[node.state] += 1
         self.nodes.update(changes.nodes)
         for node_id in changes.dropped:
-            self.nodes.pop(node_id, None)
+            gone = self.nodes.pop(node_id, None)
+            if gone is not None:
+                self.by_state[gone.state] -= 1
         for inc in changes.incidents.values():
             if inc.closed_at is None:
                 self.incidents[inc.incident_id] = inc
             else:
                 self.incidents.pop(inc.incident_id, None)
         for job_id, track in changes.tracks.items():
+            _index(self.straggling_on, job_id, self.tracks.get(job_id), add=False)
             if track is None:
                 self.tracks.pop(job_id, None)
             else:
                 self.tracks[job_id] = track
+                _index(self.straggling_on, job_id, track, add=True)
+
+
+def _index(on: dict[str, set[str]], job_id: str, track: Track | None, *, add: bool) -> None:
+    """Add (or take out) the nodes `track` finds straggling, under its job."""
+    if track is None:
+        return
+    for w in track.nodes:
+        if not w.straggling:
+            continue
+        if add:
+            on.setdefault(w.node_id, set()).add(job_id)
+        elif (jobs := on.get(w.node_id)) is not None:
+            jobs.discard(job_id)
+            if not jobs:
+                del on[w.node_id]
 
 
 class Draft:
@@ -132,6 +169,9 @@ class Draft:
         self.changes = Changes()
         # Heartbeats and probes about nodes no executor's inventory lists: ignored, counted.
         self.unknown_signals = 0
+        # The jobs each node straggles on by the tracks this draft changed (the book's index
+        # has the others).
+        self._straggling_on: dict[str, set[str]] = {}
 
     def node(self, node_id: str) -> NodeHealth | None:
         if node_id in self.changes.dropped:
@@ -170,7 +210,16 @@ class Draft:
         return self.book.tracks.get(job_id)
 
     def put_track(self, job_id: str, track: Track | None) -> None:
+        _index(self._straggling_on, job_id, self.changes.tracks.get(job_id), add=False)
         self.changes.tracks[job_id] = track
+        _index(self._straggling_on, job_id, track, add=True)
+
+    def straggling(self, node_id: str) -> bool:
+        """Whether some job's track, as this draft has it, finds the node straggling."""
+        if self._straggling_on.get(node_id):
+            return True
+        changed = self.changes.tracks
+        return any(j not in changed for j in self.book.straggling_on.get(node_id, ()))
 
     def all_tracks(self) -> list[Track]:
         ids = sorted({*self.book.tracks, *self.changes.tracks})
@@ -328,18 +377,21 @@ def _cluster_incident(draft: Draft, cluster: str) -> Incident | None:
 
 def _recoveries(draft: Draft, now: datetime) -> None:
     nodes = draft.all_nodes()
+    # Nodes still in each incident, counted down as they recover: a cluster incident ends
+    # with its last node. (Looking for another member at each recovery cost the square of the
+    # cluster's size when a whole cluster came back: seconds at a few thousand nodes.)
+    members = Counter(n.incident_id for n in nodes if n.incident_id is not None)
     for node in nodes:
         if not machine.recoverable(node, now, draft.rules):
             continue
         inc = draft.incident(node.incident_id)
         draft.put(machine.recover(node))
+        if node.incident_id is not None:
+            members[node.incident_id] -= 1
         if inc is None:
             # Only an inconsistent store gets here; the node still deserves to come back.
             inc = _orphan_incident(node, now)
-        elif inc.node_id is not None or not any(
-            (n := draft.node(other.node_id)) is not None and n.incident_id == inc.incident_id
-            for other in nodes
-        ):
+        elif inc.node_id is not None or members[inc.incident_id] <= 0:
             # A node incident ends with its node; a cluster incident with its last node.
             inc = replace(inc, closed_at=now)
             draft.put_incident(inc)

@@ -113,13 +113,13 @@ class HealthMonitor:
         # skipped as processed and the clock would decide its changes again, with new ids. So
         # the book is read back from the store before anything else is decided.
         self._stale = False
-        self._count_tracks()  # what a restart reloaded
+        self._count_all()  # what a restart reloaded
 
     async def _reload_if_stale(self) -> None:
         if self._stale:
             self.book = await store.load_book(self.pool)
             self._stale = False
-            self._count_tracks()
+            self._count_all()
             log.info("health book read back from the store after a failed transaction")
 
     async def process(self, records: tuple[ConsumerRecord[Any, Any], ...]) -> Changes:
@@ -192,14 +192,18 @@ class HealthMonitor:
                 self.metrics.straggler_incidents.labels("closed").inc()
         if changes.tracks:
             self._count_tracks()
-        if changes.nodes:
-            for state in NodeState:
-                n = sum(1 for node in self.book.nodes.values() if node.state == state)
-                self.metrics.states.labels(state.value).set(n)
+        if changes.nodes or changes.dropped:
+            self._count_states()
+
+    def _count_all(self) -> None:
+        self.book.recount()
+        self._count_states()
+        self._count_tracks()
+
+    def _count_states(self) -> None:
+        for state in NodeState:
+            self.metrics.states.labels(state.value).set(self.book.by_state[state])
 
     def _count_tracks(self) -> None:
-        tracks = self.book.tracks.values()
-        self.metrics.tracked.set(len(tracks))
-        self.metrics.straggling.set(
-            len({w.node_id for t in tracks for w in t.nodes if w.straggling})
-        )
+        self.metrics.tracked.set(len(self.book.tracks))
+        self.metrics.straggling.set(len(self.book.straggling_on))

@@ -106,7 +106,7 @@ def _hold_quarantine(draft: Draft, node: NodeHealth | None, at: datetime) -> Non
 
 def _caught_up(draft: Draft, node_ids: Iterable[str], now: datetime) -> None:
     for node_id in node_ids:
-        if any(t.straggling(node_id) for t in draft.all_tracks()):
+        if draft.straggling(node_id):
             continue  # still slow on another job
         inc = straggler_incident(draft, node_id)
         if inc is None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.health import SignalKind
-from services.health.book import heartbeats_seen, probes_seen
+from services.health.book import Draft, heartbeats_seen, probes_seen
 from services.health.machine import NodeState
 from services.health.rules import HEARTBEAT_LOST
 from tests.unit.health.builders import Fleet, at, beat, probe
@@ -183,3 +186,55 @@ def test_a_node_its_inventory_stops_listing_is_no_longer_watched() -> None:
     f.check(5000)
     assert "pool-1" not in f.unhealthy()  # gone, never declared lost
     assert "pool-0" in f.unhealthy()  # still listed and silent: lost
+
+
+def test_a_cluster_incident_stays_open_until_its_last_node_is_back() -> None:
+    f = Fleet()
+    nodes = [f"gpu-{i}" for i in range(4)]
+    f.beats(0, *nodes, "other-1")
+    for t in range(5, 40):
+        f.beats(t, "other-1")
+        f.check(t)
+    [incident] = f.book.incidents.values()
+    for t in range(40, 200, 5):  # half the cluster is back first
+        f.beats(t, "gpu-0", "gpu-1", "other-1")
+        f.check(t)
+    assert sorted(f.recovered()) == ["gpu-0", "gpu-1"]
+    assert list(f.book.incidents) == [incident.incident_id]
+    for t in range(200, 400, 5):
+        f.beats(t, *nodes, "other-1")
+        f.check(t)
+    assert sorted(f.recovered()) == nodes and f.book.incidents == {}
+    [closed] = [c.incidents[incident.incident_id] for c in f.log[-40:] if c.recovered]
+    assert closed.closed_at is not None
+
+
+def test_a_large_cluster_coming_back_costs_what_its_size_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each recovery looked for another member of the cluster incident among all nodes: the
+    square of the cluster's size in node lookups when all of it came back."""
+    lookups = 0
+    original = Draft.node
+
+    def counted(self: Draft, node_id: str) -> Any:
+        nonlocal lookups
+        lookups += 1
+        return original(self, node_id)
+
+    monkeypatch.setattr(Draft, "node", counted)
+    f = Fleet()
+    nodes = [f"big-{i}" for i in range(300)]
+    f.beats(0, *nodes, "other-1")
+    for t in range(5, 40, 5):
+        f.beats(t, "other-1")
+        f.check(t)
+    assert len(f.unhealthy()) == len(nodes)
+    most = 0
+    for t in range(40, 400, 5):
+        f.beats(t, *nodes, "other-1")
+        lookups = 0
+        f.check(t)
+        most = max(most, lookups)
+    assert sorted(f.recovered()) == sorted(nodes) and f.book.incidents == {}
+    assert most < 20 * len(nodes)

@@ -4,6 +4,8 @@ expiry when reports stop, and the optional quarantine."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -146,3 +148,56 @@ def test_the_slowdown_n_and_m_come_from_the_rules() -> None:
     f = Fleet(rules=with_straggler(n=2, m=2))
     f.reports("job-1", range(2), *SLOW)
     assert stragglers(f) == ["g-2"]
+
+
+JOBS = st.sampled_from(["job-1", "job-2", "job-3"])
+STEP = st.one_of(
+    # One batch of progress reports: each job's replica `k` three times slower (-1: none).
+    st.tuples(st.just("progress"), st.lists(st.tuples(JOBS, st.integers(-1, 3)), min_size=1)),
+    st.tuples(st.just("beats"), st.integers(0, 3)),
+    st.tuples(st.just("probe"), st.integers(0, 3)),
+    st.tuples(st.just("quiet"), st.integers(1, 4)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(STEP, max_size=40), st.booleans())
+def test_the_kept_counts_equal_a_recount_of_the_book(
+    steps: list[tuple[str, Any]], quarantine: bool
+) -> None:
+    """Nodes by state and the jobs each node straggles on are kept as changes apply; whatever
+    happens, they are what counting the book afresh gives. And a node's straggler incident
+    ends only when no job's track still finds it slow."""
+    # One slow report makes a straggler, two fine ones in a row end it: steps matter fast.
+    f = Fleet(rules=with_straggler(n=1, m=2, quarantine=quarantine, expire_after_s=20))
+    t = 0.0
+    for kind, arg in steps:
+        t += 2
+        if kind == "progress":
+            f.progress(
+                t,
+                *(gang(job, t, *(3.0 if i == k else 1.0 for i in range(4))) for job, k in arg),
+            )
+        elif kind == "beats":
+            f.beats(t, *(f"g-{i}" for i in range(4) if i != arg))
+        elif kind == "probe":
+            f.probes(t, probe(f"g-{arg}", t, SignalKind.GPU_XID, xid=79))
+        else:  # the clock runs on: silences, recoveries, reports expiring
+            for _ in range(arg):
+                t += 15
+                f.check(t)
+        kept = (dict(f.book.by_state), {n: set(j) for n, j in f.book.straggling_on.items()})
+        f.book.recount()
+        assert {s: n for s, n in kept[0].items() if n} == dict(f.book.by_state)
+        assert kept[1] == f.book.straggling_on
+        for node in (f"g-{i}" for i in range(4)):
+            slow = any(tr.straggling(node) for tr in f.book.tracks.values())
+            assert (node in f.book.straggling_on) == slow
+            inc = [
+                i for i in f.book.incidents.values() if i.cause == STRAGGLER and i.node_id == node
+            ]
+            held = f.book.nodes.get(node)
+            if inc and not slow:  # only a quarantine's incident outlives the slowness
+                assert held is not None and held.incident_id == inc[0].incident_id
+            if slow and not inc:  # no incident while slow: out for another cause already
+                assert held is not None and held.state == NodeState.UNHEALTHY
