@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 
+from services.common.frozen import evolve
 from services.health.rules import HEARTBEAT_LOST, HealthRules, Rule, Timings
 
 
@@ -64,9 +65,9 @@ def heartbeat(node: NodeHealth, at: datetime, timings: Timings) -> NodeHealth:
     prev = node.last_heard
     if prev is not None and at <= prev:
         return node
-    node = replace(node, last_heard=at)
     if node.state == NodeState.SUSPECT:
-        return replace(node, state=NodeState.HEALTHY)
+        return evolve(node, last_heard=at, state=NodeState.HEALTHY)
+    node = evolve(node, last_heard=at)  # most heartbeats: a cheaper copy than replace
     if node.state == NodeState.UNHEALTHY and (
         prev is None or seconds(at, prev) >= timings.suspect_after_s
     ):
