@@ -10,10 +10,11 @@ tracks (services.health.pace); services.health.stragglers decides over them.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from schemas.health import Severity, SignalKind
 from services.health import machine
@@ -112,12 +113,45 @@ class HealthBook:
     # stopped straggling, cost what the fleet's size does.
     by_state: Counter[NodeState] = field(default_factory=Counter, compare=False, repr=False)
     straggling_on: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
+    # For the clock's pass, which need not look at every node each second (`quiet`): nodes
+    # by when they were last heard (a heap of (last heard, node id), each entry checked
+    # against the node when it comes out), the nodes that came out and were not heard since,
+    # the quarantined nodes and those in an incident.
+    _heard: list[tuple[datetime, str]] = field(default_factory=list, compare=False, repr=False)
+    _quiet: set[str] = field(default_factory=set, compare=False, repr=False)
+    unhealthy: set[str] = field(default_factory=set, compare=False, repr=False)
+    in_incident: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def recount(self) -> None:
         self.by_state = Counter(n.state for n in self.nodes.values())
         self.straggling_on = {}
         for job_id, track in self.tracks.items():
             _index(self.straggling_on, job_id, track, add=True)
+        self._heard = [(_heard(n), n.node_id) for n in self.nodes.values()]
+        heapq.heapify(self._heard)
+        self._quiet = set()
+        self.unhealthy = {n.node_id for n in self.nodes.values() if n.state is NodeState.UNHEALTHY}
+        self.in_incident = {n.node_id for n in self.nodes.values() if n.incident_id is not None}
+
+    def quiet(self, heard_by: datetime) -> set[str]:
+        """Every node not heard after `heard_by` (never heard included): the only ones
+        silence can change. Costs what was heard since the last call, not the fleet."""
+        while self._heard and self._heard[0][0] <= heard_by:
+            at, node_id = heapq.heappop(self._heard)
+            node = self.nodes.get(node_id)
+            if node is not None and _heard(node) == at:
+                self._quiet.add(node_id)
+        quiet = set()
+        for node_id in self._quiet:
+            node = self.nodes.get(node_id)
+            if node is None:
+                continue
+            if _heard(node) <= heard_by:
+                quiet.add(node_id)
+            else:  # heard since (or the clock went back): back in the heap, to come out again
+                heapq.heappush(self._heard, (_heard(node), node_id))
+        self._quiet = quiet
+        return set(quiet)
 
     def apply(self, changes: Changes) -> None:
         for node in changes.nodes.values():
@@ -125,11 +159,18 @@ class HealthBook:
             if old is not None:
                 self.by_state[old.state] -= 1
             self.by_state[node.state] += 1
+            if old is None or old.last_heard != node.last_heard:
+                heapq.heappush(self._heard, (_heard(node), node.node_id))
+            _flag(self.unhealthy, node.node_id, node.state is NodeState.UNHEALTHY)
+            _flag(self.in_incident, node.node_id, node.incident_id is not None)
         self.nodes.update(changes.nodes)
         for node_id in changes.dropped:
             gone = self.nodes.pop(node_id, None)
             if gone is not None:
                 self.by_state[gone.state] -= 1
+            self._quiet.discard(node_id)
+            self.unhealthy.discard(node_id)
+            self.in_incident.discard(node_id)
         for inc in changes.incidents.values():
             if inc.closed_at is None:
                 self.incidents[inc.incident_id] = inc
@@ -142,6 +183,20 @@ class HealthBook:
             else:
                 self.tracks[job_id] = track
                 _index(self.straggling_on, job_id, track, add=True)
+
+
+_NEVER_HEARD = datetime.min.replace(tzinfo=UTC)
+
+
+def _heard(node: NodeHealth) -> datetime:
+    return node.last_heard if node.last_heard is not None else _NEVER_HEARD
+
+
+def _flag(members: set[str], node_id: str, on: bool) -> None:
+    if on:
+        members.add(node_id)
+    else:
+        members.discard(node_id)
 
 
 def _index(on: dict[str, set[str]], job_id: str, track: Track | None, *, add: bool) -> None:
@@ -198,6 +253,11 @@ class Draft:
     def all_nodes(self) -> list[NodeHealth]:
         ids = sorted({*self.book.nodes, *self.changes.nodes})
         return [n for n in (self.node(i) for i in ids) if n is not None]
+
+    def nodes_among(self, ids: Iterable[str]) -> list[NodeHealth]:
+        """These nodes and those this draft changed, as the draft has them, by id."""
+        every = sorted({*ids, *self.changes.nodes})
+        return [n for n in (self.node(i) for i in every) if n is not None]
 
     def open_incidents(self) -> list[Incident]:
         ids = sorted({*self.book.incidents, *self.changes.incidents})
@@ -321,12 +381,16 @@ def check(draft: Draft, now: datetime, watch_from: datetime | None) -> None:
 def _silences(draft: Draft, now: datetime, watch_from: datetime) -> None:
     t = draft.rules.timings
     went_dark: dict[str, list[NodeHealth]] = {}
-    for node in draft.all_nodes():
+    # Only a node not heard for `suspect_after_s` can be judged silent (watch_from only makes
+    # a silence shorter): the rest of the fleet is not looked at.
+    for node in draft.nodes_among(draft.book.quiet(now - timedelta(seconds=t.suspect_after_s))):
         after, verdict = machine.silence(node, now, watch_from, t)
         if verdict == Verdict.QUARANTINE:
             went_dark.setdefault(after.cluster, []).append(after)
         else:
             draft.put(after)
+    if not went_dark:
+        return
     members: dict[str, list[NodeHealth]] = {}
     for node in draft.all_nodes():
         members.setdefault(node.cluster, []).append(node)
@@ -376,7 +440,9 @@ def _cluster_incident(draft: Draft, cluster: str) -> Incident | None:
 
 
 def _recoveries(draft: Draft, now: datetime) -> None:
-    nodes = draft.all_nodes()
+    # Only a quarantined node recovers; only a node in an incident keeps one open.
+    book = draft.book
+    nodes = draft.nodes_among(book.unhealthy | book.in_incident)
     # Nodes still in each incident, counted down as they recover: a cluster incident ends
     # with its last node. (Looking for another member at each recovery cost the square of the
     # cluster's size when a whole cluster came back: seconds at a few thousand nodes.)

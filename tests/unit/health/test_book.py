@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -9,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.health import SignalKind
-from services.health.book import Draft, heartbeats_seen, probes_seen
+from services.health.book import Changes, Draft, HealthBook, heartbeats_seen, probes_seen
 from services.health.machine import NodeState
 from services.health.rules import HEARTBEAT_LOST
 from tests.unit.health.builders import Fleet, at, beat, probe
+
+NODES = [f"a-{i}" for i in range(3)] + [f"b-{i}" for i in range(3)]
 
 XID = SignalKind.GPU_XID
 
@@ -238,3 +241,61 @@ def test_a_large_cluster_coming_back_costs_what_its_size_does(
         most = max(most, lookups)
     assert sorted(f.recovered()) == sorted(nodes) and f.book.incidents == {}
     assert most < 20 * len(nodes)
+
+
+class _EveryNode(HealthBook):
+    """A book whose clock pass looks at every node, as before the pass kept an index."""
+
+    def quiet(self, heard_by: datetime) -> set[str]:
+        return set(self.nodes)
+
+    def apply(self, changes: Changes) -> None:
+        super().apply(changes)
+        self.unhealthy = set(self.nodes)
+
+
+CLOCK_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("beats"), st.sets(st.sampled_from(NODES), min_size=1)),
+        st.tuples(st.just("probe"), st.sets(st.sampled_from(NODES), min_size=1)),
+        st.tuples(st.just("check"), st.sets(st.just("")), st.integers(-20, 40)),
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(CLOCK_STEPS)
+def test_the_clock_pass_decides_what_a_look_at_every_node_decides(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """Silences, cluster incidents and recoveries, with heartbeats, quarantining probes and
+    a clock that may go back: the pass over the index changes what a pass over every node
+    changes, in the same order."""
+    indexed, every = Fleet(), Fleet()
+    every.book = _EveryNode()
+    t = 0.0
+    for step in steps:
+        t += 5
+        for f in (indexed, every):
+            if step[0] == "beats":
+                f.beats(t, *sorted(step[1]))
+            elif step[0] == "probe":
+                f.probes(t, *(probe(n, t, SignalKind.GPU_XID, xid=79) for n in sorted(step[1])))
+            else:
+                f.check(t + step[2])
+    assert indexed.log == every.log
+    assert indexed.book.nodes == every.book.nodes
+
+
+def test_a_clock_set_back_loses_no_silent_node() -> None:
+    f = Fleet()
+    f.beats(0, "a-0", "a-1", "b-0")
+    f.beats(1, "b-0")
+    f.check(20)  # a-0 and a-1 quiet for 20 s: suspect
+    assert f.state("a-0") == NodeState.SUSPECT
+    f.check(10)  # the clock went back: nobody is quiet long enough now
+    for t in (15, 20, 25, 30):
+        f.beats(t, "b-0")
+    f.check(40)  # the clock is right again: still not heard, so out
+    assert sorted(f.unhealthy()) == ["a-0", "a-1"]
