@@ -12,8 +12,9 @@ At clusters of `--sizes` nodes (8 devices each, `--runs-per-node` one-device run
   as many open runs as the cluster holds;
 - `health_batch_us`: the health service decides, applies and counts a batch of `--beats`
   heartbeats;
-- `health_pass_us`: the health service's clock pass (once a second) over a fleet heard from
-  within the last seconds, nothing to decide;
+- `health_pass_us`: the health service's clock pass (once a second: silence, recovery, the
+  straggler detector's expiry) over a fleet heard from within the last seconds and a gang of
+  four reporting progress on every four nodes, nothing to decide;
 - `health_recovery_ms`: the health service's clock pass in which a whole cluster that went
   dark comes back (once per size; a cluster incident closing with its last node).
 
@@ -59,7 +60,9 @@ from services.executor.store import RunningJob
 from services.health import store as health_store
 from services.health.book import Beat, Draft, HealthBook, check, heartbeats_seen, inventory_seen
 from services.health.handlers import HealthMetrics, HealthMonitor
+from services.health.pace import Progress, ReplicaStep
 from services.health.rules import HealthRules, Timings
+from services.health.stragglers import expired, progress_seen
 from services.meter import store as meter_store
 from services.meter.budgets import MeterConfig
 from services.meter.handlers import Meter, MeterMetrics
@@ -310,9 +313,25 @@ def health_costs(nodes: int, beats: int, rounds: int) -> tuple[float, float, flo
     counted = _timed(rounds, 20, batch)
     heard = T0 + timedelta(seconds=1)
     step(lambda d: heartbeats_seen(d, [Beat(n, CLUSTER, heard) for n in names]))
-    passed = _timed(
-        rounds, 5, lambda i: step(lambda d: check(d, heard + timedelta(seconds=1 + i / 100), T0))
-    )
+    # A gang of four on every four nodes reports its progress: the straggler detector
+    # follows each (a track, a window per node).
+    reports = [
+        Progress(
+            f"gang-{g}",
+            1,
+            CLUSTER,
+            tuple(ReplicaStep(k, names[4 * g + k], 1.0) for k in range(4)),
+            heard,
+        )
+        for g in range(nodes // 4)
+    ]
+    step(lambda d: progress_seen(d, reports, heard))
+
+    def clock_pass(i: int) -> None:
+        now = heard + timedelta(seconds=1 + i / 100)
+        step(lambda d: (check(d, now, T0), expired(d, now, T0)))
+
+    passed = _timed(rounds, 5, clock_pass)
 
     # The whole cluster goes dark (one cluster incident), then every node is heard again.
     at = T0 + timedelta(seconds=40)

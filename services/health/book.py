@@ -99,6 +99,44 @@ class Changes:
         return bool(self.nodes or self.incidents or self.tracks or self.dropped)
 
 
+class _ByAge:
+    """Ids by a moment only a change moves (a node's last heartbeat, a track's oldest
+    window), for a pass that wants those at or before some moment without looking at the
+    rest: a heap of (moment, id), each entry checked against the id's moment now when it
+    comes out, and the ids that came out and have not moved since."""
+
+    def __init__(self, moments: Iterable[tuple[datetime, str]] = ()) -> None:
+        self._heap = list(moments)
+        heapq.heapify(self._heap)
+        self._out: set[str] = set()
+
+    def note(self, moment: datetime, key: str) -> None:
+        """The id's moment is this now (or it is new)."""
+        heapq.heappush(self._heap, (moment, key))
+
+    def forget(self, key: str) -> None:
+        self._out.discard(key)
+
+    def at_or_before(self, when: datetime, moment: Callable[[str], datetime | None]) -> set[str]:
+        """The ids whose moment (None: gone) is at or before `when`. Costs what changed
+        since the last call, not every id."""
+        while self._heap and self._heap[0][0] <= when:
+            at, key = heapq.heappop(self._heap)
+            if moment(key) == at:
+                self._out.add(key)
+        out = set()
+        for key in self._out:
+            now = moment(key)
+            if now is None:
+                continue
+            if now <= when:
+                out.add(key)
+            else:  # moved since (or the clock went back): back in the heap, to come out again
+                heapq.heappush(self._heap, (now, key))
+        self._out = out
+        return set(out)
+
+
 @dataclass
 class HealthBook:
     """Every known node, the open incidents and the straggler detector's job tracks: the
@@ -113,12 +151,11 @@ class HealthBook:
     # stopped straggling, cost what the fleet's size does.
     by_state: Counter[NodeState] = field(default_factory=Counter, compare=False, repr=False)
     straggling_on: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
-    # For the clock's pass, which need not look at every node each second (`quiet`): nodes
-    # by when they were last heard (a heap of (last heard, node id), each entry checked
-    # against the node when it comes out), the nodes that came out and were not heard since,
-    # the quarantined nodes and those in an incident.
-    _heard: list[tuple[datetime, str]] = field(default_factory=list, compare=False, repr=False)
-    _quiet: set[str] = field(default_factory=set, compare=False, repr=False)
+    # For the clock's pass, which need not look at the whole fleet each second: nodes by when
+    # they were last heard (`quiet`), tracks by their oldest window (`stale_tracks`), the
+    # quarantined nodes and those in an incident.
+    _heard: _ByAge = field(default_factory=_ByAge, compare=False, repr=False)
+    _oldest: _ByAge = field(default_factory=_ByAge, compare=False, repr=False)
     unhealthy: set[str] = field(default_factory=set, compare=False, repr=False)
     in_incident: set[str] = field(default_factory=set, compare=False, repr=False)
 
@@ -127,31 +164,24 @@ class HealthBook:
         self.straggling_on = {}
         for job_id, track in self.tracks.items():
             _index(self.straggling_on, job_id, track, add=True)
-        self._heard = [(_heard(n), n.node_id) for n in self.nodes.values()]
-        heapq.heapify(self._heard)
-        self._quiet = set()
+        self._heard = _ByAge((_heard(n), n.node_id) for n in self.nodes.values())
+        self._oldest = _ByAge((_oldest(t), job_id) for job_id, t in self.tracks.items())
         self.unhealthy = {n.node_id for n in self.nodes.values() if n.state is NodeState.UNHEALTHY}
         self.in_incident = {n.node_id for n in self.nodes.values() if n.incident_id is not None}
 
     def quiet(self, heard_by: datetime) -> set[str]:
         """Every node not heard after `heard_by` (never heard included): the only ones
-        silence can change. Costs what was heard since the last call, not the fleet."""
-        while self._heard and self._heard[0][0] <= heard_by:
-            at, node_id = heapq.heappop(self._heard)
-            node = self.nodes.get(node_id)
-            if node is not None and _heard(node) == at:
-                self._quiet.add(node_id)
-        quiet = set()
-        for node_id in self._quiet:
-            node = self.nodes.get(node_id)
-            if node is None:
-                continue
-            if _heard(node) <= heard_by:
-                quiet.add(node_id)
-            else:  # heard since (or the clock went back): back in the heap, to come out again
-                heapq.heappush(self._heard, (_heard(node), node_id))
-        self._quiet = quiet
-        return set(quiet)
+        silence can change."""
+        return self._heard.at_or_before(
+            heard_by, lambda n: _heard(node) if (node := self.nodes.get(n)) else None
+        )
+
+    def stale_tracks(self, by: datetime) -> set[str]:
+        """The jobs whose track has a window with no report after `by`: the only ones
+        expiry can change."""
+        return self._oldest.at_or_before(
+            by, lambda j: _oldest(track) if (track := self.tracks.get(j)) else None
+        )
 
     def apply(self, changes: Changes) -> None:
         for node in changes.nodes.values():
@@ -160,7 +190,7 @@ class HealthBook:
                 self.by_state[old.state] -= 1
             self.by_state[node.state] += 1
             if old is None or old.last_heard != node.last_heard:
-                heapq.heappush(self._heard, (_heard(node), node.node_id))
+                self._heard.note(_heard(node), node.node_id)
             _flag(self.unhealthy, node.node_id, node.state is NodeState.UNHEALTHY)
             _flag(self.in_incident, node.node_id, node.incident_id is not None)
         self.nodes.update(changes.nodes)
@@ -168,7 +198,7 @@ class HealthBook:
             gone = self.nodes.pop(node_id, None)
             if gone is not None:
                 self.by_state[gone.state] -= 1
-            self._quiet.discard(node_id)
+            self._heard.forget(node_id)
             self.unhealthy.discard(node_id)
             self.in_incident.discard(node_id)
         for inc in changes.incidents.values():
@@ -180,9 +210,11 @@ class HealthBook:
             _index(self.straggling_on, job_id, self.tracks.get(job_id), add=False)
             if track is None:
                 self.tracks.pop(job_id, None)
+                self._oldest.forget(job_id)
             else:
                 self.tracks[job_id] = track
                 _index(self.straggling_on, job_id, track, add=True)
+                self._oldest.note(_oldest(track), job_id)
 
 
 _NEVER_HEARD = datetime.min.replace(tzinfo=UTC)
@@ -190,6 +222,14 @@ _NEVER_HEARD = datetime.min.replace(tzinfo=UTC)
 
 def _heard(node: NodeHealth) -> datetime:
     return node.last_heard if node.last_heard is not None else _NEVER_HEARD
+
+
+_NEVER_STALE = datetime.max.replace(tzinfo=UTC)
+
+
+def _oldest(track: Track) -> datetime:
+    """When the track's least recently reported window last had a report."""
+    return min((w.last_at for w in track.nodes), default=_NEVER_STALE)
 
 
 def _flag(members: set[str], node_id: str, on: bool) -> None:
@@ -284,6 +324,11 @@ class Draft:
     def all_tracks(self) -> list[Track]:
         ids = sorted({*self.book.tracks, *self.changes.tracks})
         return [t for t in (self.track(i) for i in ids) if t is not None]
+
+    def tracks_among(self, job_ids: Iterable[str]) -> list[Track]:
+        """These jobs' tracks and those this draft changed, as the draft has them, by job."""
+        every = sorted({*job_ids, *self.changes.tracks})
+        return [t for t in (self.track(i) for i in every) if t is not None]
 
     def open_incident(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from services.health import machine, pace
 from services.health.book import Draft, Incident, Unhealthy
@@ -44,8 +44,12 @@ def expired(draft: Draft, now: datetime, watch_from: datetime | None) -> None:
     their nodes. Not judged before anything was consumed, as with silence."""
     if watch_from is None:
         return
-    for track in draft.all_tracks():
-        after, ended = pace.expire(track, now, watch_from, draft.rules.straggler)
+    # Only a window with no report for `expire_after_s` expires (watch_from only makes that
+    # shorter): the tracks without one are not looked at.
+    rules = draft.rules.straggler
+    stale = draft.book.stale_tracks(now - timedelta(seconds=rules.expire_after_s))
+    for track in draft.tracks_among(stale):
+        after, ended = pace.expire(track, now, watch_from, rules)
         if after is not track:
             draft.put_track(track.job_id, after)
             _caught_up(draft, ended, now)

@@ -13,7 +13,7 @@ from schemas.health import SignalKind
 from services.health.book import Changes, Draft, HealthBook, heartbeats_seen, probes_seen
 from services.health.machine import NodeState
 from services.health.rules import HEARTBEAT_LOST
-from tests.unit.health.builders import Fleet, at, beat, probe
+from tests.unit.health.builders import Fleet, at, beat, gang, probe, with_straggler
 
 NODES = [f"a-{i}" for i in range(3)] + [f"b-{i}" for i in range(3)]
 
@@ -249,6 +249,9 @@ class _EveryNode(HealthBook):
     def quiet(self, heard_by: datetime) -> set[str]:
         return set(self.nodes)
 
+    def stale_tracks(self, by: datetime) -> set[str]:
+        return set(self.tracks)
+
     def apply(self, changes: Changes) -> None:
         super().apply(changes)
         self.unhealthy = set(self.nodes)
@@ -259,20 +262,28 @@ CLOCK_STEPS = st.lists(
         st.tuples(st.just("beats"), st.sets(st.sampled_from(NODES), min_size=1)),
         st.tuples(st.just("probe"), st.sets(st.sampled_from(NODES), min_size=1)),
         st.tuples(st.just("check"), st.sets(st.just("")), st.integers(-20, 40)),
+        # A gang on two or three nodes of cluster a: one replica twice as slow, or none (-1).
+        st.tuples(
+            st.just("progress"),
+            st.sampled_from(["j1", "j2"]),
+            st.integers(-1, 2),
+            st.sampled_from([NODES[:3], NODES[:2], NODES[1:3]]),
+        ),
     ),
     max_size=50,
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(CLOCK_STEPS)
 def test_the_clock_pass_decides_what_a_look_at_every_node_decides(
     steps: list[tuple[Any, ...]],
 ) -> None:
-    """Silences, cluster incidents and recoveries, with heartbeats, quarantining probes and
-    a clock that may go back: the pass over the index changes what a pass over every node
-    changes, in the same order."""
-    indexed, every = Fleet(), Fleet()
+    """Silences, cluster incidents, recoveries and stragglers' reports expiring, with
+    heartbeats, quarantining probes, progress reports and a clock that may go back: the pass
+    over the indexes changes what a pass over every node and track changes, in order."""
+    rules = with_straggler(n=1, m=2, expire_after_s=20, quarantine=True)
+    indexed, every = Fleet(rules=rules), Fleet(rules=rules)
     every.book = _EveryNode()
     t = 0.0
     for step in steps:
@@ -282,10 +293,15 @@ def test_the_clock_pass_decides_what_a_look_at_every_node_decides(
                 f.beats(t, *sorted(step[1]))
             elif step[0] == "probe":
                 f.probes(t, *(probe(n, t, SignalKind.GPU_XID, xid=79) for n in sorted(step[1])))
+            elif step[0] == "progress":
+                on = step[3]
+                times = [2.0 if i == step[2] else 1.0 for i in range(len(on))]
+                f.progress(t, gang(step[1], t, *times, nodes=on, cluster="a"))
             else:
                 f.check(t + step[2])
     assert indexed.log == every.log
     assert indexed.book.nodes == every.book.nodes
+    assert indexed.book.tracks == every.book.tracks
 
 
 def test_a_clock_set_back_loses_no_silent_node() -> None:
