@@ -9,9 +9,11 @@ answers from the node's own runs.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, overload
 
 from services.executor.store import RunningJob
+
+T = TypeVar("T")
 
 
 def _nodes(job: RunningJob) -> Iterable[str]:
@@ -51,6 +53,12 @@ class RunningJobs(dict[str, RunningJob]):
         self._forget(job_id, job)
 
     _MISSING: Any = object()
+
+    @overload
+    def pop(self, job_id: str) -> RunningJob: ...
+
+    @overload
+    def pop(self, job_id: str, default: RunningJob | T) -> RunningJob | T: ...
 
     def pop(self, job_id: str, default: Any = _MISSING) -> Any:
         if job_id not in self:

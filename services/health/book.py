@@ -100,41 +100,64 @@ class Changes:
 
 
 class _ByAge:
-    """Ids by a moment only a change moves (a node's last heartbeat, a track's oldest
-    window), for a pass that wants those at or before some moment without looking at the
-    rest: a heap of (moment, id), each entry checked against the id's moment now when it
-    comes out, and the ids that came out and have not moved since."""
+    """Ids by a moment a change moves (a node's last heartbeat, a track's oldest window),
+    for a pass that wants those at or before some moment without looking at the rest.
+
+    A heap of (moment, id) with at most one live entry per id (`_queued`: the moment of it):
+    a later moment does not add one, the entry is checked against the id's moment when it
+    comes out and goes back in at that moment if it moved; an earlier moment (a clock set
+    back) adds one and leaves the old one stale. So the heap holds about one entry an id,
+    whatever the traffic, and a pass costs the entries that came due since the last pass.
+    `_out`: the ids that came out and have not moved since (no entry in the heap)."""
 
     def __init__(self, moments: Iterable[tuple[datetime, str]] = ()) -> None:
-        self._heap = list(moments)
+        self._queued = {key: at for at, key in moments}
+        self._heap = [(at, key) for key, at in self._queued.items()]
         heapq.heapify(self._heap)
         self._out: set[str] = set()
 
+    def __len__(self) -> int:
+        return len(self._heap)
+
     def note(self, moment: datetime, key: str) -> None:
         """The id's moment is this now (or it is new)."""
-        heapq.heappush(self._heap, (moment, key))
+        queued = self._queued.get(key)
+        if queued is not None and queued <= moment:
+            return  # its entry comes out first and is put back at this moment
+        self._push(moment, key)
 
     def forget(self, key: str) -> None:
-        self._out.discard(key)
+        self._out.discard(key)  # a heap entry is dropped when it comes out
 
     def at_or_before(self, when: datetime, moment: Callable[[str], datetime | None]) -> set[str]:
-        """The ids whose moment (None: gone) is at or before `when`. Costs what changed
-        since the last call, not every id."""
+        """The ids whose moment (None: gone) is at or before `when`."""
         while self._heap and self._heap[0][0] <= when:
             at, key = heapq.heappop(self._heap)
-            if moment(key) == at:
-                self._out.add(key)
-        out = set()
-        for key in self._out:
+            if self._queued.get(key) != at:
+                continue  # stale: an earlier moment was queued since
+            del self._queued[key]
             now = moment(key)
             if now is None:
                 continue
             if now <= when:
+                self._out.add(key)
+            else:
+                self._push(now, key)
+        out = set()
+        for key in self._out:
+            now = moment(key)
+            if now is None or key in self._queued:
+                continue  # gone, or moved and queued again (note)
+            if now <= when:
                 out.add(key)
-            else:  # moved since (or the clock went back): back in the heap, to come out again
-                heapq.heappush(self._heap, (now, key))
+            else:  # moved since (or the clock went back): back in the heap
+                self._push(now, key)
         self._out = out
         return set(out)
+
+    def _push(self, moment: datetime, key: str) -> None:
+        self._queued[key] = moment
+        heapq.heappush(self._heap, (moment, key))
 
 
 @dataclass
@@ -146,18 +169,26 @@ class HealthBook:
     incidents: dict[str, Incident] = field(default_factory=dict)
     tracks: dict[str, Track] = field(default_factory=dict)
     # Kept as changes are applied (`recount` after filling the dicts directly, as the store's
-    # load does): nodes by state, and the jobs each node straggles on. Recounting the fleet
-    # for every batch of heartbeats, or walking every job's track for every node that
-    # stopped straggling, cost what the fleet's size does.
-    by_state: Counter[NodeState] = field(default_factory=Counter, compare=False, repr=False)
-    straggling_on: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
+    # load does; a book made with them counts them itself): nodes by state, and the jobs each
+    # node straggles on. Recounting the fleet for every batch of heartbeats, or walking every
+    # job's track for every node that stopped straggling, cost what the fleet's size does.
+    by_state: Counter[NodeState] = field(
+        default_factory=Counter, init=False, compare=False, repr=False
+    )
+    straggling_on: dict[str, set[str]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
     # For the clock's pass, which need not look at the whole fleet each second: nodes by when
     # they were last heard (`quiet`), tracks by their oldest window (`stale_tracks`), the
     # quarantined nodes and those in an incident.
-    _heard: _ByAge = field(default_factory=_ByAge, compare=False, repr=False)
-    _oldest: _ByAge = field(default_factory=_ByAge, compare=False, repr=False)
-    unhealthy: set[str] = field(default_factory=set, compare=False, repr=False)
-    in_incident: set[str] = field(default_factory=set, compare=False, repr=False)
+    _heard: _ByAge = field(default_factory=_ByAge, init=False, compare=False, repr=False)
+    _oldest: _ByAge = field(default_factory=_ByAge, init=False, compare=False, repr=False)
+    quarantined: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    # Nodes holding an incident: quarantined ones, unless the store is inconsistent.
+    in_incident: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.recount()
 
     def recount(self) -> None:
         self.by_state = Counter(n.state for n in self.nodes.values())
@@ -166,7 +197,9 @@ class HealthBook:
             _index(self.straggling_on, job_id, track, add=True)
         self._heard = _ByAge((_heard(n), n.node_id) for n in self.nodes.values())
         self._oldest = _ByAge((_oldest(t), job_id) for job_id, t in self.tracks.items())
-        self.unhealthy = {n.node_id for n in self.nodes.values() if n.state is NodeState.UNHEALTHY}
+        self.quarantined = {
+            n.node_id for n in self.nodes.values() if n.state is NodeState.UNHEALTHY
+        }
         self.in_incident = {n.node_id for n in self.nodes.values() if n.incident_id is not None}
 
     def quiet(self, heard_by: datetime) -> set[str]:
@@ -191,7 +224,7 @@ class HealthBook:
             self.by_state[node.state] += 1
             if old is None or old.last_heard != node.last_heard:
                 self._heard.note(_heard(node), node.node_id)
-            _flag(self.unhealthy, node.node_id, node.state is NodeState.UNHEALTHY)
+            _flag(self.quarantined, node.node_id, node.state is NodeState.UNHEALTHY)
             _flag(self.in_incident, node.node_id, node.incident_id is not None)
         self.nodes.update(changes.nodes)
         for node_id in changes.dropped:
@@ -199,7 +232,7 @@ class HealthBook:
             if gone is not None:
                 self.by_state[gone.state] -= 1
             self._heard.forget(node_id)
-            self.unhealthy.discard(node_id)
+            self.quarantined.discard(node_id)
             self.in_incident.discard(node_id)
         for inc in changes.incidents.values():
             if inc.closed_at is None:
@@ -487,7 +520,7 @@ def _cluster_incident(draft: Draft, cluster: str) -> Incident | None:
 def _recoveries(draft: Draft, now: datetime) -> None:
     # Only a quarantined node recovers; only a node in an incident keeps one open.
     book = draft.book
-    nodes = draft.nodes_among(book.unhealthy | book.in_incident)
+    nodes = draft.nodes_among(book.quarantined | book.in_incident)
     # Nodes still in each incident, counted down as they recover: a cluster incident ends
     # with its last node. (Looking for another member at each recovery cost the square of the
     # cluster's size when a whole cluster came back: seconds at a few thousand nodes.)

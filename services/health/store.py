@@ -46,6 +46,7 @@ async def load_book(pool: asyncpg.Pool) -> HealthBook:
         book.incidents[r["incident_id"]] = _incident(r)
     for r in tracks:
         book.tracks[r["job_id"]] = _track(r)
+    book.recount()  # the counts and indexes of what was filled in
     return book
 
 

@@ -152,7 +152,7 @@ class Meter:
         # those in `_fresh` (opened or changed by a batch since) is billed through interval
         # `_billed_through`. None: nothing is known, look at them all.
         self._billed_through: int | None = None
-        self._fresh: set[RunKey] = set()
+        self._fresh: dict[RunKey, None] = {}  # in the order the batches came (ticks' order)
         self.pools: dict[PriceKey, Pool] = {}
         self.idle_done: int | None = None
         self.caught_up = asyncio.Event()
@@ -160,7 +160,7 @@ class Meter:
 
     async def restore(self) -> None:
         self.open = {s.key: s for s in await store.load_open(self.pool)}
-        self._billed_through, self._fresh = None, set()
+        self._billed_through, self._fresh = None, {}
         self.pools = {p.key: p for p in await store.load_pools(self.pool)}
         self.idle_done = await store.idle_through(self.pool)
         self.metrics.open_runs.set(len(self.open))
@@ -196,7 +196,7 @@ class Meter:
         for key, state in applied.states.items():
             if state.phase is Phase.OPEN:
                 self.open[key] = state
-                self._fresh.add(key)
+                self._fresh[key] = None
             else:
                 self.open.pop(key, None)
         for cluster, pools in applied.pools.items():

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.health import SignalKind
-from services.health.book import Changes, Draft, HealthBook, heartbeats_seen, probes_seen
+from services.health.book import (
+    Changes,
+    Draft,
+    HealthBook,
+    heartbeats_seen,
+    inventory_seen,
+    probes_seen,
+)
 from services.health.machine import NodeState
 from services.health.rules import HEARTBEAT_LOST
 from tests.unit.health.builders import Fleet, at, beat, gang, probe, with_straggler
@@ -254,7 +261,7 @@ class _EveryNode(HealthBook):
 
     def apply(self, changes: Changes) -> None:
         super().apply(changes)
-        self.unhealthy = set(self.nodes)
+        self.quarantined = set(self.nodes)
 
 
 CLOCK_STEPS = st.lists(
@@ -262,6 +269,8 @@ CLOCK_STEPS = st.lists(
         st.tuples(st.just("beats"), st.sets(st.sampled_from(NODES), min_size=1)),
         st.tuples(st.just("probe"), st.sets(st.sampled_from(NODES), min_size=1)),
         st.tuples(st.just("check"), st.sets(st.just("")), st.integers(-20, 40)),
+        # Cluster a's inventory lists only these nodes now: the others are dropped.
+        st.tuples(st.just("inventory"), st.sets(st.sampled_from(NODES[:3]))),
         # A gang on two or three nodes of cluster a: one replica twice as slow, or none (-1).
         st.tuples(
             st.just("progress"),
@@ -275,15 +284,16 @@ CLOCK_STEPS = st.lists(
 
 
 @settings(max_examples=250, deadline=None)
-@given(CLOCK_STEPS)
+@given(CLOCK_STEPS, st.integers(0, 60))
 def test_the_clock_pass_decides_what_a_look_at_every_node_decides(
-    steps: list[tuple[Any, ...]],
+    steps: list[tuple[Any, ...]], watch_from: int
 ) -> None:
     """Silences, cluster incidents, recoveries and stragglers' reports expiring, with
     heartbeats, quarantining probes, progress reports and a clock that may go back: the pass
     over the indexes changes what a pass over every node and track changes, in order."""
     rules = with_straggler(n=1, m=2, expire_after_s=20, quarantine=True)
-    indexed, every = Fleet(rules=rules), Fleet(rules=rules)
+    indexed = Fleet(rules=rules, watch_from=watch_from)
+    every = Fleet(rules=rules, watch_from=watch_from)
     every.book = _EveryNode()
     t = 0.0
     for step in steps:
@@ -293,6 +303,10 @@ def test_the_clock_pass_decides_what_a_look_at_every_node_decides(
                 f.beats(t, *sorted(step[1]))
             elif step[0] == "probe":
                 f.probes(t, *(probe(n, t, SignalKind.GPU_XID, xid=79) for n in sorted(step[1])))
+            elif step[0] == "inventory":
+                d = f._draft()
+                inventory_seen(d, "a", sorted(step[1]), at(t))
+                f._apply(d)
             elif step[0] == "progress":
                 on = step[3]
                 times = [2.0 if i == step[2] else 1.0 for i in range(len(on))]
@@ -302,6 +316,10 @@ def test_the_clock_pass_decides_what_a_look_at_every_node_decides(
     assert indexed.log == every.log
     assert indexed.book.nodes == every.book.nodes
     assert indexed.book.tracks == every.book.tracks
+    # The heaps hold about an entry per node and track, whatever the traffic.
+    book = indexed.book
+    assert len(book._heard) <= 2 * max(1, len(book.nodes)) + len(NODES)
+    assert len(book._oldest) <= 2 * max(1, len(book.tracks)) + 2
 
 
 def test_a_clock_set_back_loses_no_silent_node() -> None:
@@ -315,3 +333,16 @@ def test_a_clock_set_back_loses_no_silent_node() -> None:
         f.beats(t, "b-0")
     f.check(40)  # the clock is right again: still not heard, so out
     assert sorted(f.unhealthy()) == ["a-0", "a-1"]
+
+
+def test_the_heartbeat_heap_holds_an_entry_a_node_whatever_the_traffic() -> None:
+    """Each heartbeat used to add an entry, each leaving only once older than the silence
+    threshold: the heap grew with heartbeats per node, not with nodes."""
+    f = Fleet()
+    nodes = [f"a-{i}" for i in range(10)]
+    for t in range(0, 300):
+        f.beats(t, *nodes)
+        if t % 5 == 0:
+            f.check(t)
+    assert f.recovered() == [] and f.unhealthy() == []
+    assert len(f.book._heard) <= len(nodes) + 1

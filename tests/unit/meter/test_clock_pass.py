@@ -64,6 +64,10 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return written
 
 
+async def _nothing(*_args: Any) -> None:
+    return None
+
+
 def meter() -> Meter:
     m = Meter(
         None,
@@ -121,7 +125,7 @@ async def test_a_run_opened_between_passes_is_billed_in_the_same_interval(
     assert billed(stubbed, "job-2") == [3, 4, 5]
 
 
-async def test_a_new_interval_and_a_restart_look_at_every_run(stubbed: list[Any]) -> None:
+async def test_a_new_interval_looks_at_every_run(stubbed: list[Any]) -> None:
     m = meter()
     state = RunState("job-1", 1, phase=Phase.OPEN, run=run())
     m.open = {state.key: state}
@@ -129,6 +133,79 @@ async def test_a_new_interval_and_a_restart_look_at_every_run(stubbed: list[Any]
     m.open[_Untouchable.key] = _Untouchable()  # type: ignore[index]
     with pytest.raises(AssertionError, match="billed already"):
         await m.tick(T0 + timedelta(minutes=3, seconds=1))  # interval 2 has closed
-    m._billed_through = None  # as restore() leaves it
+
+
+async def test_after_a_restart_the_first_pass_looks_at_every_run(
+    stubbed: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = meter()
+    state = RunState("job-1", 1, phase=Phase.OPEN, run=run())
+    m.open = {state.key: state}
+    now = T0 + timedelta(minutes=2, seconds=1)
+    await m.tick(now)
+    await m.tick(now + timedelta(seconds=1))  # nothing new: billed through interval 1
+    assert m._billed_through is not None
+
+    async def load_open(_pool: Any) -> list[Any]:
+        return [state, _Untouchable()]
+
+    async def load_pools(_pool: Any) -> list[Any]:
+        return []
+
+    async def idle_through(_pool: Any) -> int:
+        return 10**12
+
+    monkeypatch.setattr(store, "load_open", load_open)
+    monkeypatch.setattr(store, "load_pools", load_pools)
+    monkeypatch.setattr(store, "idle_through", idle_through)
+    await m.restore()
     with pytest.raises(AssertionError, match="billed already"):
-        await m.tick(T0 + timedelta(minutes=3, seconds=2))
+        await m.tick(now + timedelta(seconds=2))  # same interval, but nothing is known
+
+
+async def test_a_pass_held_back_by_the_catch_up_limit_looks_at_every_run_again(
+    stubbed: list[Any],
+) -> None:
+    """A run far behind is billed a few intervals a pass; until it has caught up, no pass
+    may take the runs as billed through the last closed interval."""
+    m = meter()
+    m.max_ticks_per_pass = 2  # two intervals a run in a pass
+    behind = RunState("job-1", 1, phase=Phase.OPEN, run=run())
+    m.open = {behind.key: behind}
+    now = T0 + timedelta(minutes=6, seconds=1)  # intervals 0-5 have closed
+    held = [await m.tick(now + timedelta(seconds=i)) for i in range(3)]
+    assert held == [True, True, False]
+    assert billed(stubbed, "job-1") == [0, 1, 2, 3, 4, 5]
+    assert m._billed_through is not None and not m._fresh
+
+
+async def test_a_pass_that_fails_leaves_what_it_knew(
+    stubbed: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = meter()
+    state = RunState("job-1", 1, phase=Phase.OPEN, run=run())
+    m.open = {state.key: state}
+    await m.tick(T0 + timedelta(minutes=2, seconds=1))
+    facts = [("p2", placed("job-2")), ("s2", started("job-2", at=T0 + timedelta(seconds=30)))]
+    await m._apply(facts, [])
+    known = (m._billed_through, dict(m._fresh))
+
+    async def broken(*_args: Any) -> list[Any]:
+        raise ConnectionError("connection lost")
+
+    monkeypatch.setattr(store, "insert_ticks", broken)
+    with pytest.raises(ConnectionError):
+        await m.tick(T0 + timedelta(minutes=2, seconds=2))
+    assert (m._billed_through, dict(m._fresh)) == known
+    monkeypatch.undo()
+    stubbed.clear()
+
+    async def insert_ticks(_conn: Any, ticks: list[Any]) -> list[Any]:
+        stubbed.extend(ticks)
+        return list(ticks)
+
+    monkeypatch.setattr(store, "insert_ticks", insert_ticks)
+    for name in ("add_interval_usage", "save_billed", "add_budget_usage"):
+        monkeypatch.setattr(store, name, _nothing)
+    await m.tick(T0 + timedelta(minutes=2, seconds=3))
+    assert billed(stubbed, "job-2") == [0, 1]  # billed by the pass that came after
