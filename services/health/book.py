@@ -20,7 +20,7 @@ from schemas.health import Severity, SignalKind
 from services.health import machine
 from services.health.machine import NodeHealth, NodeState, Signal, Verdict
 from services.health.pace import Straggle, Track
-from services.health.rules import HEARTBEAT_LOST, HealthRules
+from services.health.rules import HEARTBEAT_LOST, STRAGGLER, HealthRules
 
 IdFactory = Callable[[], str]
 
@@ -186,6 +186,11 @@ class HealthBook:
     quarantined: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
     # Nodes holding an incident: quarantined ones, unless the store is inconsistent.
     in_incident: set[str] = field(default_factory=set, init=False, compare=False, repr=False)
+    # Open straggler incidents by node: a slow report looks its node's up (all open
+    # incidents were sorted for it, thousands in an outage).
+    stragglers: dict[str, set[str]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.recount()
@@ -201,6 +206,9 @@ class HealthBook:
             n.node_id for n in self.nodes.values() if n.state is NodeState.UNHEALTHY
         }
         self.in_incident = {n.node_id for n in self.nodes.values() if n.incident_id is not None}
+        self.stragglers = {}
+        for inc in self.incidents.values():
+            _straggler(self.stragglers, inc, add=True)
 
     def quiet(self, heard_by: datetime) -> set[str]:
         """Every node not heard after `heard_by` (never heard included): the only ones
@@ -239,6 +247,7 @@ class HealthBook:
                 self.incidents[inc.incident_id] = inc
             else:
                 self.incidents.pop(inc.incident_id, None)
+            _straggler(self.stragglers, inc, add=inc.closed_at is None)
         for job_id, track in changes.tracks.items():
             _index(self.straggling_on, job_id, self.tracks.get(job_id), add=False)
             if track is None:
@@ -263,6 +272,18 @@ _NEVER_STALE = datetime.max.replace(tzinfo=UTC)
 def _oldest(track: Track) -> datetime:
     """When the track's least recently reported window last had a report."""
     return min((w.last_at for w in track.nodes), default=_NEVER_STALE)
+
+
+def _straggler(by_node: dict[str, set[str]], inc: Incident, *, add: bool) -> None:
+    """Note (or take out) an open straggler incident under its node."""
+    if inc.cause != STRAGGLER or inc.node_id is None:
+        return
+    if add:
+        by_node.setdefault(inc.node_id, set()).add(inc.incident_id)
+    elif (ids := by_node.get(inc.node_id)) is not None:
+        ids.discard(inc.incident_id)
+        if not ids:
+            del by_node[inc.node_id]
 
 
 def _flag(members: set[str], node_id: str, on: bool) -> None:
@@ -297,9 +318,10 @@ class Draft:
         self.changes = Changes()
         # Heartbeats and probes about nodes no executor's inventory lists: ignored, counted.
         self.unknown_signals = 0
-        # The jobs each node straggles on by the tracks this draft changed (the book's index
-        # has the others).
+        # The jobs each node straggles on by the tracks this draft changed, and the straggler
+        # incidents it opened or changed, by node (the book's indexes have the others).
         self._straggling_on: dict[str, set[str]] = {}
+        self._stragglers: dict[str, set[str]] = {}
 
     def node(self, node_id: str) -> NodeHealth | None:
         if node_id in self.changes.dropped:
@@ -322,6 +344,17 @@ class Draft:
 
     def put_incident(self, incident: Incident) -> None:
         self.changes.incidents[incident.incident_id] = incident
+        _straggler(self._stragglers, incident, add=True)
+
+    def straggler_incident(self, node_id: str) -> Incident | None:
+        """The node's open straggler incident (the first by id, as a look at every open
+        incident would find it)."""
+        ids = self.book.stragglers.get(node_id, set()) | self._stragglers.get(node_id, set())
+        for incident_id in sorted(ids):
+            inc = self.incident(incident_id)
+            if inc is not None and inc.closed_at is None:  # cause and node never change
+                return inc
+        return None
 
     def all_nodes(self) -> list[NodeHealth]:
         ids = sorted({*self.book.nodes, *self.changes.nodes})

@@ -56,10 +56,7 @@ def expired(draft: Draft, now: datetime, watch_from: datetime | None) -> None:
 
 
 def straggler_incident(draft: Draft, node_id: str) -> Incident | None:
-    return next(
-        (i for i in draft.open_incidents() if i.cause == STRAGGLER and i.node_id == node_id),
-        None,
-    )
+    return draft.straggler_incident(node_id)
 
 
 def _straggling(draft: Draft, s: Straggle, now: datetime) -> None:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.health import Severity, SignalKind
+from services.health.book import Draft
 from services.health.machine import NodeState
 from services.health.rules import STRAGGLER
 from tests.unit.health.builders import Fleet, at, gang, probe, with_straggler
@@ -197,6 +198,8 @@ def test_the_kept_counts_equal_a_recount_of_the_book(
                 i for i in f.book.incidents.values() if i.cause == STRAGGLER and i.node_id == node
             ]
             held = f.book.nodes.get(node)
+            found = Draft(f.book, f.rules, lambda: "x").straggler_incident(node)
+            assert found == (min(inc, key=lambda i: i.incident_id) if inc else None)
             if inc and not slow:  # only a quarantine's incident outlives the slowness
                 assert held is not None and held.incident_id == inc[0].incident_id
             if slow and not inc:  # no incident while slow: out for another cause already
