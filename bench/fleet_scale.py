@@ -82,6 +82,16 @@ from services.meter.runs import Phase, RunState
 from services.meter.ticks import Grid, Run, Share, micros
 
 CLUSTER = "scale"
+# The figures, each by cluster size (see the docstring).
+FIGURES = (
+    "executor_placement_us",
+    "executor_node_lost_us",
+    "meter_pass_us",
+    "health_batch_us",
+    "health_pass_us",
+    "health_slow_report_us",
+    "health_recovery_ms",
+)
 H100 = AcceleratorModel("H100", "hopper", 80, 3.0)
 T0 = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
 SPEC = JobSpec.model_validate(
@@ -420,18 +430,7 @@ async def main() -> None:
     # A node lost logs a warning: thousands of them here.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     health_store.save = _nothing  # type: ignore[assignment]
-    figures: dict[str, dict[str, float]] = {
-        k: {}
-        for k in (
-            "executor_placement_us",
-            "executor_node_lost_us",
-            "meter_pass_us",
-            "health_batch_us",
-            "health_pass_us",
-            "health_slow_report_us",
-            "health_recovery_ms",
-        )
-    }
+    figures: dict[str, dict[str, float]] = {k: {} for k in FIGURES}
     print(
         f"{'nodes':>6} {'runs':>7} {'placement us':>13} {'node lost us':>13} "
         f"{'meter pass us':>14} {'health batch us':>16} {'health pass us':>15} "

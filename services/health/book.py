@@ -387,10 +387,6 @@ class Draft:
         changed = self.changes.tracks
         return any(j not in changed for j in self.book.straggling_on.get(node_id, ()))
 
-    def all_tracks(self) -> list[Track]:
-        ids = sorted({*self.book.tracks, *self.changes.tracks})
-        return [t for t in (self.track(i) for i in ids) if t is not None]
-
     def tracks_among(self, job_ids: Iterable[str]) -> list[Track]:
         """These jobs' tracks and those this draft changed, as the draft has them, by job."""
         every = sorted({*job_ids, *self.changes.tracks})

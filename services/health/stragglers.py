@@ -15,7 +15,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from services.health import machine, pace
-from services.health.book import Draft, Incident, Unhealthy
+from services.health.book import Draft, Unhealthy
 from services.health.machine import NodeHealth, NodeState
 from services.health.pace import Progress, Straggle
 from services.health.rules import STRAGGLER
@@ -55,14 +55,10 @@ def expired(draft: Draft, now: datetime, watch_from: datetime | None) -> None:
             _caught_up(draft, ended, now)
 
 
-def straggler_incident(draft: Draft, node_id: str) -> Incident | None:
-    return draft.straggler_incident(node_id)
-
-
 def _straggling(draft: Draft, s: Straggle, now: datetime) -> None:
     draft.changes.stragglers.append(s)
     node = draft.node(s.node_id)
-    inc = straggler_incident(draft, s.node_id)
+    inc = draft.straggler_incident(s.node_id)
     if inc is not None:  # another job found it first: same incident, no new alert
         draft.put_incident(replace(inc, count=inc.count + s.slow_reports, last_seen=now))
         _hold_quarantine(draft, node, s.at)
@@ -91,7 +87,7 @@ def _straggling(draft: Draft, s: Straggle, now: datetime) -> None:
 
 
 def _slow_again(draft: Draft, node_id: str, now: datetime) -> None:
-    inc = straggler_incident(draft, node_id)
+    inc = draft.straggler_incident(node_id)
     if inc is not None:
         draft.put_incident(replace(inc, count=inc.count + 1, last_seen=now))
     _hold_quarantine(draft, draft.node(node_id), now)
@@ -109,7 +105,7 @@ def _caught_up(draft: Draft, node_ids: Iterable[str], now: datetime) -> None:
     for node_id in node_ids:
         if draft.straggling(node_id):
             continue  # still slow on another job
-        inc = straggler_incident(draft, node_id)
+        inc = draft.straggler_incident(node_id)
         if inc is None:
             continue
         node = draft.node(node_id)

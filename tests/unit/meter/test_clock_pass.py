@@ -69,6 +69,7 @@ async def _nothing(*_args: Any) -> None:
 
 
 def meter() -> Meter:
+    """A meter with one run open (job-1, started at T0)."""
     m = Meter(
         None,
         Relay(),  # type: ignore[arg-type]
@@ -82,6 +83,8 @@ def meter() -> Meter:
         max_idle_backfill=1,
     )
     m.idle_done = 10**12  # no idle accounting in these passes
+    state = RunState("job-1", 1, phase=Phase.OPEN, run=run())  # started at T0
+    m.open = {state.key: state}
     return m
 
 
@@ -96,8 +99,6 @@ async def test_a_run_opened_between_passes_is_billed_in_the_same_interval(
     stubbed: list[Any],
 ) -> None:
     m = meter()
-    first = RunState("job-1", 1, phase=Phase.OPEN, run=run())
-    m.open = {first.key: first}
     now = T0 + timedelta(minutes=5, seconds=10)
     await m.tick(now)
     assert billed(stubbed, "job-1") == [0, 1, 2, 3, 4]
@@ -127,8 +128,6 @@ async def test_a_run_opened_between_passes_is_billed_in_the_same_interval(
 
 async def test_a_new_interval_looks_at_every_run(stubbed: list[Any]) -> None:
     m = meter()
-    state = RunState("job-1", 1, phase=Phase.OPEN, run=run())
-    m.open = {state.key: state}
     await m.tick(T0 + timedelta(minutes=2, seconds=1))
     m.open[_Untouchable.key] = _Untouchable()  # type: ignore[index]
     with pytest.raises(AssertionError, match="billed already"):
@@ -139,8 +138,7 @@ async def test_after_a_restart_the_first_pass_looks_at_every_run(
     stubbed: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = meter()
-    state = RunState("job-1", 1, phase=Phase.OPEN, run=run())
-    m.open = {state.key: state}
+    state = m.open[("job-1", 1)]
     now = T0 + timedelta(minutes=2, seconds=1)
     await m.tick(now)
     await m.tick(now + timedelta(seconds=1))  # nothing new: billed through interval 1
@@ -168,10 +166,8 @@ async def test_a_pass_held_back_by_the_catch_up_limit_looks_at_every_run_again(
 ) -> None:
     """A run far behind is billed a few intervals a pass; until it has caught up, no pass
     may take the runs as billed through the last closed interval."""
-    m = meter()
+    m = meter()  # job-1 is far behind: started at T0, never billed
     m.max_ticks_per_pass = 2  # two intervals a run in a pass
-    behind = RunState("job-1", 1, phase=Phase.OPEN, run=run())
-    m.open = {behind.key: behind}
     now = T0 + timedelta(minutes=6, seconds=1)  # intervals 0-5 have closed
     held = [await m.tick(now + timedelta(seconds=i)) for i in range(3)]
     assert held == [True, True, False]
@@ -183,8 +179,6 @@ async def test_a_pass_that_fails_leaves_what_it_knew(
     stubbed: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = meter()
-    state = RunState("job-1", 1, phase=Phase.OPEN, run=run())
-    m.open = {state.key: state}
     await m.tick(T0 + timedelta(minutes=2, seconds=1))
     facts = [("p2", placed("job-2")), ("s2", started("job-2", at=T0 + timedelta(seconds=30)))]
     await m._apply(facts, [])
