@@ -33,6 +33,34 @@ MAX_DEVICES_PER_NODE = 4096
 UNKNOWN_NODE_TTL = timedelta(days=1)
 _DETAIL_CHARS = 1000
 
+# An inventory's nodes as one statement: arrays $1-$10 hold the fields that vary by node, in
+# the order of an Inventory row less cluster and at ($11, $12: the inventory's own). A node
+# whose facts are as stored is left out before the insert (ON CONFLICT would lock its row
+# even to leave it), so an unchanged fleet writes nothing and a node's `at` is when its facts
+# last changed.
+_UPSERT_NODES = """
+INSERT INTO gateway.fleet_nodes (node_id, cluster, block, rack, nvlink_domain,
+    accelerator_type, generation, accelerators, accelerator_memory_gb, price_tier,
+    schedulable, at)
+SELECT u.node_id, $11, u.block, u.rack, u.nvlink_domain, u.accelerator_type, u.generation,
+    u.accelerators, u.accelerator_memory_gb, u.price_tier, u.schedulable, $12
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+    $7::int[], $8::float8[], $9::text[], $10::bool[])
+    AS u(node_id, block, rack, nvlink_domain, accelerator_type, generation, accelerators,
+        accelerator_memory_gb, price_tier, schedulable)
+LEFT JOIN gateway.fleet_nodes f ON f.node_id = u.node_id
+WHERE f.node_id IS NULL
+    OR (f.cluster, f.block, f.rack, f.nvlink_domain, f.accelerator_type, f.generation,
+        f.accelerators, f.accelerator_memory_gb, f.price_tier, f.schedulable)
+    IS DISTINCT FROM ($11, u.block, u.rack, u.nvlink_domain, u.accelerator_type,
+        u.generation, u.accelerators, u.accelerator_memory_gb, u.price_tier, u.schedulable)
+ON CONFLICT (node_id) DO UPDATE SET cluster = EXCLUDED.cluster, block = EXCLUDED.block,
+    rack = EXCLUDED.rack, nvlink_domain = EXCLUDED.nvlink_domain,
+    accelerator_type = EXCLUDED.accelerator_type, generation = EXCLUDED.generation,
+    accelerators = EXCLUDED.accelerators, accelerator_memory_gb = EXCLUDED.accelerator_memory_gb,
+    price_tier = EXCLUDED.price_tier, schedulable = EXCLUDED.schedulable, at = EXCLUDED.at
+"""
+
 
 @dataclass(frozen=True)
 class Inventory:
@@ -179,26 +207,16 @@ async def _replace_inventory(conn: asyncpg.Connection, inv: Inventory) -> None:
     )
     if not applied:
         return
+    # One statement each, whatever the inventory's size (PostgreSQL hashes the ids for `ALL`).
     await conn.execute(
-        "DELETE FROM gateway.fleet_nodes WHERE cluster = $1 AND NOT (node_id = ANY($2::text[]))",
+        "DELETE FROM gateway.fleet_nodes WHERE cluster = $1 AND node_id <> ALL($2::text[])",
         inv.cluster,
         [row[0] for row in inv.nodes],
     )
     if inv.nodes:
-        await conn.executemany(
-            "INSERT INTO gateway.fleet_nodes (node_id, cluster, block, rack, nvlink_domain,"
-            " accelerator_type, generation, accelerators, accelerator_memory_gb, price_tier,"
-            " schedulable, at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
-            " ON CONFLICT (node_id) DO UPDATE SET cluster = EXCLUDED.cluster,"
-            " block = EXCLUDED.block, rack = EXCLUDED.rack,"
-            " nvlink_domain = EXCLUDED.nvlink_domain,"
-            " accelerator_type = EXCLUDED.accelerator_type, generation = EXCLUDED.generation,"
-            " accelerators = EXCLUDED.accelerators,"
-            " accelerator_memory_gb = EXCLUDED.accelerator_memory_gb,"
-            " price_tier = EXCLUDED.price_tier, schedulable = EXCLUDED.schedulable,"
-            " at = EXCLUDED.at",
-            list(inv.nodes),
-        )
+        columns = list(zip(*inv.nodes, strict=True))
+        varying = [c for i, c in enumerate(columns) if i not in (1, 11)]  # less cluster, at
+        await conn.execute(_UPSERT_NODES, *varying, inv.cluster, inv.at)
 
 
 async def _record_verdicts(conn: asyncpg.Connection, writes: FleetWrites) -> None:
@@ -244,10 +262,14 @@ async def _record_verdicts(conn: asyncpg.Connection, writes: FleetWrites) -> Non
 
 async def _forget_unknown_nodes(conn: asyncpg.Connection, before: datetime) -> None:
     """Verdicts about nodes no inventory lists stay a while (the inventory naming them may come
-    later), then go: a stream of made-up node ids must not grow the tables for ever."""
-    for table in ("node_health", "node_verdicts"):
-        await conn.execute(
-            f"DELETE FROM gateway.{table} h WHERE h.at < $1 AND NOT EXISTS"
-            " (SELECT 1 FROM gateway.fleet_nodes n WHERE n.node_id = h.node_id)",
-            before,
-        )
+    later), then go: a stream of made-up node ids must not grow the tables for ever.
+
+    A node with verdicts has a node_health row as new as its newest verdict (both are written
+    together), so the nodes to forget are found among node_health's rows, one per node, and
+    their verdicts by node; node_verdicts, some twenty rows a node, is not scanned."""
+    await conn.execute(
+        "WITH gone AS (DELETE FROM gateway.node_health h WHERE h.at < $1 AND NOT EXISTS"
+        " (SELECT 1 FROM gateway.fleet_nodes n WHERE n.node_id = h.node_id) RETURNING node_id)"
+        " DELETE FROM gateway.node_verdicts v USING gone WHERE v.node_id = gone.node_id",
+        before,
+    )
