@@ -162,6 +162,7 @@ class Meter:
         self.open = {s.key: s for s in await store.load_open(self.pool)}
         self._billed_through, self._fresh = None, {}
         self.pools = {p.key: p for p in await store.load_pools(self.pool)}
+        self.book.announced.update(await store.load_announced(self.pool))
         self.idle_done = await store.idle_through(self.pool)
         self.metrics.open_runs.set(len(self.open))
 
@@ -191,6 +192,7 @@ class Meter:
             applied = apply_facts(todo, known, self.book, self.grid)
             await store.save_runs(conn, list(applied.states.values()))
             await store.save_pools(conn, applied.pools)
+            await store.save_announced(conn, {c: self.book.announced[c] for c in applied.pools})
             tx.emit(await self._write(conn, applied.ticks, dead, counts))
         self.metrics.count(counts, self.config.currency)
         for key, state in applied.states.items():

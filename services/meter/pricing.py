@@ -2,8 +2,11 @@
 inventory per pool (cluster, accelerator type, tier) that idle capacity is measured against.
 
 Where a price comes from, first found wins: the cluster's `prices` in the fleet file, the
-prices the cluster's executor announced on `cluster.capacity`, the policy file's `prices`.
-A node's tier comes from its node group in the fleet file, else from `cluster.capacity`.
+prices the cluster's executor announced in its newest `cluster.capacity`, the policy file's
+`prices`. A node's tier comes from its node group in the fleet file, else from its cluster's
+newest `cluster.capacity` (a node it no longer lists has none there), else `on_demand`.
+What each cluster announced is kept in the meter's store (`meter.announced`), so that a
+restarted meter prices placements as before without waiting for the next inventory.
 """
 
 from __future__ import annotations
@@ -37,23 +40,63 @@ class Pool:
         return (self.cluster, self.accelerator_type, self.price_tier)
 
 
+@dataclass(frozen=True)
+class Announced:
+    """What one cluster's newest inventory says about prices: the executor's price per
+    (accelerator type, tier), in millionths an accelerator-hour, and each node's tier."""
+
+    prices: Mapping[tuple[str, str], int]
+    tiers: Mapping[str, str]
+
+    @classmethod
+    def of(cls, capacity: ClusterCapacity) -> Announced:
+        return cls(
+            prices={
+                (type_name, tier): micros(price)
+                for type_name, tiers in capacity.prices.items()
+                for tier, price in tiers.items()
+            },
+            tiers={node.node_id: node.price_tier for node in capacity.nodes},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prices": [[t, tier, p] for (t, tier), p in sorted(self.prices.items())],
+            "tiers": dict(sorted(self.tiers.items())),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Announced:
+        return cls(
+            prices={(str(t), str(tier)): int(p) for t, tier, p in doc["prices"]},
+            tiers={str(node): str(tier) for node, tier in doc["tiers"].items()},
+        )
+
+
 @dataclass
 class PriceBook:
-    node_tiers: dict[str, str] = field(default_factory=dict)
+    node_tiers: dict[str, str] = field(default_factory=dict)  # the fleet file's; they win
     # prices per accelerator-hour, in millionths
     configured: dict[PriceKey, int] = field(default_factory=dict)
-    announced: dict[PriceKey, int] = field(default_factory=dict)
     fallback: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Each cluster's newest inventory, replaced whole by the next one.
+    announced: dict[str, Announced] = field(default_factory=dict)
     unpriced: set[PriceKey] = field(default_factory=set)
 
-    def tier(self, node_id: str) -> str:
-        return self.node_tiers.get(node_id, DEFAULT_TIER)
+    def tier(self, cluster: str, node_id: str) -> str:
+        tier = self.node_tiers.get(node_id)
+        if tier is None:
+            known = self.announced.get(cluster)
+            tier = known.tiers.get(node_id) if known is not None else None
+        return DEFAULT_TIER if tier is None else tier
 
     def price(self, cluster: str, accelerator_type: str, tier: str) -> int:
         key = (cluster, accelerator_type, tier)
-        for table in (self.configured, self.announced):
-            if key in table:
-                return table[key]
+        if key in self.configured:
+            return self.configured[key]
+        known = self.announced.get(cluster)
+        if known is not None and (accelerator_type, tier) in known.prices:
+            return known.prices[(accelerator_type, tier)]
         if (accelerator_type, tier) in self.fallback:
             return self.fallback[(accelerator_type, tier)]
         self.unpriced.add(key)  # billed at 0 and reported, rather than refusing to meter
@@ -65,21 +108,19 @@ class PriceBook:
         """A placement's accelerators grouped by the price tier of the nodes they are on."""
         counts: dict[str, int] = defaultdict(int)
         for r in replicas:
-            counts[self.tier(r.node_id)] += micros(r.accelerators)
+            counts[self.tier(cluster, r.node_id)] += micros(r.accelerators)
         return tuple(
             Share(tier, count, self.price(cluster, accelerator_type, tier))
             for tier, count in sorted(counts.items())
         )
 
     def learn(self, capacity: ClusterCapacity) -> list[Pool]:
-        """Take in an executor's inventory; return the cluster's pools."""
-        for type_name, tiers in capacity.prices.items():
-            for tier, price in tiers.items():
-                self.announced[(capacity.cluster, type_name, tier)] = micros(price)
+        """Take in an executor's inventory, in place of the cluster's last one; return the
+        cluster's pools."""
+        self.announced[capacity.cluster] = Announced.of(capacity)
         totals: dict[tuple[str, str], int] = defaultdict(int)
         for node in capacity.nodes:
-            self.node_tiers.setdefault(node.node_id, node.price_tier)
-            tier = self.tier(node.node_id)
+            tier = self.tier(capacity.cluster, node.node_id)
             totals[(node.accelerator_type, tier)] += node.accelerators
         return [
             Pool(capacity.cluster, t, tier, n, self.price(capacity.cluster, t, tier))

@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 
 from services.common.db import migrate
-from services.meter.pricing import Pool, PriceKey
+from services.meter.pricing import Announced, Pool, PriceKey
 from services.meter.runs import Phase, Placement, RunKey, RunState
 from services.meter.ticks import Run, Share, Tick
 
@@ -296,6 +296,33 @@ async def save_pools(conn: asyncpg.Connection, by_cluster: dict[str, list[Pool]]
                 for p in pools
             ],
         )
+
+
+async def save_announced(conn: asyncpg.Connection, by_cluster: dict[str, Announced]) -> None:
+    """Keep what each listed cluster's newest inventory said about prices (one row a
+    cluster; an inventory that says what the last one did writes nothing)."""
+    if not by_cluster:
+        return
+    docs = [(cluster, a.to_json()) for cluster, a in sorted(by_cluster.items())]
+    await conn.execute(
+        "INSERT INTO meter.announced AS a (cluster, prices, tiers)"
+        " SELECT * FROM unnest($1::text[], $2::jsonb[], $3::jsonb[])"
+        " ON CONFLICT (cluster) DO UPDATE SET prices = EXCLUDED.prices, tiers = EXCLUDED.tiers"
+        " WHERE (a.prices, a.tiers) IS DISTINCT FROM (EXCLUDED.prices, EXCLUDED.tiers)",
+        [c for c, _ in docs],
+        [json.dumps(d["prices"]) for _, d in docs],
+        [json.dumps(d["tiers"]) for _, d in docs],
+    )
+
+
+async def load_announced(pool: asyncpg.Pool) -> dict[str, Announced]:
+    rows = await pool.fetch("SELECT cluster, prices, tiers FROM meter.announced")
+    return {
+        r["cluster"]: Announced.from_json(
+            {"prices": json.loads(r["prices"]), "tiers": json.loads(r["tiers"])}
+        )
+        for r in rows
+    }
 
 
 async def load_pools(pool: asyncpg.Pool) -> list[Pool]:

@@ -61,6 +61,7 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     for name in ("add_interval_usage", "save_billed", "add_budget_usage", "save_runs"):
         monkeypatch.setattr(store, name, nothing)
     monkeypatch.setattr(store, "save_pools", nothing)
+    monkeypatch.setattr(store, "save_announced", nothing)
     return written
 
 
@@ -153,9 +154,13 @@ async def test_after_a_restart_the_first_pass_looks_at_every_run(
     async def idle_through(_pool: Any) -> int:
         return 10**12
 
+    async def load_announced(_pool: Any) -> dict[str, Any]:
+        return {}
+
     monkeypatch.setattr(store, "load_open", load_open)
     monkeypatch.setattr(store, "load_pools", load_pools)
     monkeypatch.setattr(store, "idle_through", idle_through)
+    monkeypatch.setattr(store, "load_announced", load_announced)
     await m.restore()
     with pytest.raises(AssertionError, match="billed already"):
         await m.tick(now + timedelta(seconds=2))  # same interval, but nothing is known
