@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -108,6 +109,41 @@ class CpuMeter:
         pg_end = self._read_pg()
         used[POSTGRES] = round(sum(t - self._pg_start.get(p, 0.0) for p, t in pg_end.items()), 3)
         return used
+
+
+class MachineMeter:
+    """Over a phase: the cores the whole machine kept busy (every process, the kernel's work
+    included), and the CPU seconds of this process, the bench's
+    own client. Together with CpuMeter they tell whether a phase was bound by the cores: the
+    machine near its core count, with the bench's share beside the stack's."""
+
+    def __init__(self) -> None:
+        self._times: Any = None
+        self._own = 0.0
+        self._wall = 0.0
+
+    def start(self) -> None:
+        self._times = psutil.cpu_times()
+        self._own = cpu_seconds(psutil.Process())
+        self._wall = time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        """{"busy_cores", "cores", "bench_cpu_s", "seconds"} since start()."""
+        end, wall = psutil.cpu_times(), time.monotonic() - self._wall
+        busy = _busy(end) - _busy(self._times)
+        return {
+            "busy_cores": round(busy / wall, 2) if wall > 0 else 0.0,
+            "cores": float(psutil.cpu_count() or 0),
+            "bench_cpu_s": round(cpu_seconds(psutil.Process()) - self._own, 3),
+            "seconds": round(wall, 2),
+        }
+
+
+def _busy(times: Any) -> float:
+    """CPU seconds spent running anything (guest time is already in user and nice, and time
+    stolen by a hypervisor went to no one here)."""
+    parts = ("user", "nice", "system", "irq", "softirq")
+    return float(sum(getattr(times, p, 0.0) for p in parts))
 
 
 def per_thousand(used: Mapping[str, float], jobs: int) -> dict[str, float]:

@@ -15,7 +15,9 @@ nothing is submitted (`idle_cores`; polling the broker is most of it), and per j
 phase PostgreSQL's commits, row writes (by table too), HOT updates and WAL (the whole
 server's: meaningful when the stack has the server to itself) and every consumer group's batches
 and fetches (`counts_per_job`, bench/counters.py), and each process's resident memory after the
-burst and the most it held (`rss_mb`, `peak_rss_mb`); with --profile, the top frames of each service
+burst and the most it held (`rss_mb`, `peak_rss_mb`). In every case it reports, per phase, the
+cores the whole machine kept busy and the CPU its own client took (`machine`), which tell
+whether a phase was bound by the cores; with --profile, the top frames of each service
 (bench/cpu.py) are printed and written to DIR/summary.txt.
 """
 
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.counters import StackCounters, per_job, print_counts
 from bench.cpu import (
     CpuMeter,
+    MachineMeter,
     Profiler,
     is_python,
     memory_mb,
@@ -217,6 +220,19 @@ def cpu_report(phase: str, used: dict[str, float], jobs: int) -> dict[str, float
     return {**per, "total": total}
 
 
+def machine_report(phase: str, whole: dict[str, float], jobs: int) -> dict[str, float]:
+    """How busy the machine was over a phase, and what the bench's own client (submitting and
+    observing) took of it: a phase whose busy cores are near the core count was bound by
+    the cores, and the client's share was not the stack's to use."""
+    bench_ms = round(whole["bench_cpu_s"] * 1000 / jobs, 2) if jobs > 0 else 0.0
+    print(
+        f"{phase}: the machine kept {whole['busy_cores']:.2f} of {whole['cores']:.0f} cores busy"
+        f" over {whole['seconds']:.1f} s; the bench's own process {bench_ms:.2f} CPU s per"
+        " 1,000 jobs"
+    )
+    return {**whole, "bench_cpu_s_per_1000_jobs": bench_ms}
+
+
 def idle_report(used: dict[str, float], seconds: float) -> dict[str, float]:
     """Cores each process keeps busy with nothing submitted."""
     per = {name: round(s / seconds, 3) for name, s in used.items()}
@@ -292,13 +308,17 @@ async def measure(
             fixed: dict[str, float] = {}
             count = int(args.rate * args.seconds)
             counted: dict[str, Any] = {}
+            machine: dict[str, dict[str, float]] = {}
+            whole = MachineMeter()
             before = await counters.read()
             meter.start()
+            whole.start()
             with profiling(args, pids, "fixed") as profiled:
                 t_fixed = time.perf_counter()
                 took = await offer(submitter, args.rate, count, "fixed", fixed)
                 await wait_placed(observer, fixed, 60)
                 fixed_s = time.perf_counter() - t_fixed  # before the profiler's write-up
+                machine["fixed"] = machine_report("fixed rate", whole.stop(), count)
             if pids:
                 cpu["fixed"] = cpu_report("fixed rate", meter.stop(), count)
             counted["fixed"] = per_job(before, await counters.read(), count, fixed_s)
@@ -317,11 +337,13 @@ async def measure(
             burst: dict[str, float] = {}
             before = await counters.read()
             meter.start()
+            whole.start()
             with profiling(args, pids, "burst") as profiled:
                 t0 = time.perf_counter()
                 await offer(submitter, args.burst_rate, args.burst, "burst", burst)
                 await wait_placed(observer, burst, 300)
                 burst_s = time.perf_counter() - t0
+                machine["burst"] = machine_report("overload", whole.stop(), args.burst)
             if pids:
                 cpu["burst"] = cpu_report("overload", meter.stop(), args.burst)
             counted["burst"] = per_job(before, await counters.read(), args.burst, burst_s)
@@ -356,6 +378,7 @@ async def measure(
         "overall_jobs_per_s": round(overall, 1),
         "queued_per_s": round(queued_rate, 1),
         "cpu_s_per_1000_jobs": cpu,
+        "machine": machine,
         "counts_per_job": counted,
         "idle_cores": idle,
         "peak_rss_mb": {name: m["peak"] for name, m in memory.items()},

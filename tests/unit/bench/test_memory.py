@@ -1,12 +1,14 @@
-"""The e2e bench's memory reading: resident and peak MB of each process still running."""
+"""The e2e bench's readings of the machine: resident and peak MB of each process still
+running, and the cores the whole machine kept busy beside the bench's own CPU."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
-from bench.cpu import memory_mb
+from bench.cpu import MachineMeter, memory_mb
 
 # A child that maps 64 MB of anonymous memory, touches every page, unmaps it, then waits.
 # The peak must keep the 64 MB and the resident size must have dropped them. It is measured
@@ -51,3 +53,16 @@ def test_the_peak_keeps_memory_that_was_resident_and_given_back() -> None:
         child.communicate("")
     assert got["peak"] >= 64
     assert got["peak"] - got["rss"] >= 60  # the 64 MB were resident once and are no longer
+
+
+def test_the_machine_reading_counts_the_bench_own_cpu_within_the_machines() -> None:
+    whole = MachineMeter()
+    whole.start()
+    spent = time.process_time() + 0.3
+    while time.process_time() < spent:  # 0.3 CPU s of this process, however long it takes
+        pass
+    got = whole.stop()
+    assert got["bench_cpu_s"] >= 0.27  # /proc counts in ticks of 10 ms
+    assert got["cores"] >= 1
+    # The machine's busy time includes this process's: never less (within ticks and rounding).
+    assert got["busy_cores"] * got["seconds"] >= got["bench_cpu_s"] - 0.05
