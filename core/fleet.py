@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.autoscale import NodePool
-from core.errors import FleetError
+from core.errors import FleetError, PolicyError
 from core.model import (
     AcceleratorModel,
     Cluster,
@@ -19,6 +19,7 @@ from core.model import (
     NodeId,
     PriceTier,
 )
+from core.policy import price_per_hour
 
 _GROUP_KEYS = {
     "prefix",
@@ -73,9 +74,11 @@ def _cluster(raw: Any, where: str) -> Cluster:
         if not isinstance(tiers, Mapping):
             raise FleetError(f"{where}.prices.{type_name}: expected tier: price pairs")
         for tier, price in tiers.items():
-            prices[(str(type_name), _tier(tier, f"{where}.prices.{type_name}"))] = _number(
-                price, f"{where}.prices.{type_name}.{tier}"
-            )
+            key = (str(type_name), _tier(tier, f"{where}.prices.{type_name}"))
+            try:
+                prices[key] = price_per_hour(price, f"{where}.prices.{type_name}.{tier}")
+            except PolicyError as exc:
+                raise FleetError(str(exc)) from None
     return Cluster(ClusterId(raw["name"]), str(raw.get("location", "")), kind, prices)
 
 

@@ -23,6 +23,10 @@ ANY_TYPE = "*"
 _E = TypeVar("_E", bound=StrEnum)
 
 
+# The most a price per accelerator-hour may be; the same as schemas.bounds.MAX_PRICE.
+MAX_PRICE = 100_000.0
+
+
 class OrderingMode(StrEnum):
     FAIR_SHARE = "fair_share"
     FIFO = "fifo"
@@ -356,8 +360,23 @@ def _parse_prices(raw: Any, where: str) -> dict[tuple[str, PriceTier], float]:
         _expect_mapping(tiers, f"{where}.{type_name}")
         for tier, price in tiers.items():
             key = f"{where}.{type_name}.{tier}"
-            prices[(str(type_name), _enum(PriceTier, tier, key))] = _num(price, key)
+            prices[(str(type_name), _enum(PriceTier, tier, key))] = price_per_hour(price, key)
     return prices
+
+
+def price_per_hour(value: Any, where: str) -> float:
+    """A price per accelerator-hour from a policy or fleet file: a number from 0 to MAX_PRICE
+    (the bound the wire holds executors' announced prices to, schemas.bounds.MAX_PRICE)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_PRICE  # also NaN
+    ):
+        raise PolicyError(
+            f"{where}: expected a price per accelerator-hour from 0 to {MAX_PRICE:,.0f},"
+            f" got {value!r}"
+        )
+    return float(value)
 
 
 def _parse_placement(raw: Any) -> PlacementPreferences:

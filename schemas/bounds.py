@@ -153,6 +153,13 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]{0,126}$"
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
 # A team, project, user, queue, priority class, cluster: what a person types.
+# A price per accelerator-hour, in the platform's currency: far above any accelerator's (a
+# datacenter GPU rents for a few units an hour), low enough that the meter's amounts, kept in
+# 64-bit millionths, cannot overflow. Negative prices would credit whoever used the node. The
+# policy and fleet files are held to the same bound (core.policy.MAX_PRICE).
+MAX_PRICE = 100_000.0
+Price = Annotated[float, Field(ge=0, le=MAX_PRICE)]
+
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
 Identifier = Annotated[str, Field(min_length=1, max_length=127, pattern=IDENTIFIER_PATTERN)]
 JobId = Annotated[str, Field(min_length=1, max_length=64, pattern=JOB_ID_PATTERN)]

@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.bounds import Name
+from schemas.bounds import Name, Price
 from schemas.job import JobSpec
 
 
@@ -383,8 +383,8 @@ class ClusterCapacity(Payload):
     cluster: str
     location: str
     kind: str
-    prices: dict[str, dict[str, float]] = Field(
-        description="Accelerator type -> price tier -> price per accelerator-hour."
+    prices: dict[str, dict[str, Price]] = Field(
+        description="Accelerator type -> price tier -> price per accelerator-hour (0 to 100,000)."
     )
     nodes: list[NodeInfo]
     # Its elastic pools (the autoscaler reads them; the scheduler needs only `nodes`).

@@ -9,7 +9,8 @@ import yaml
 
 from core.errors import FleetError, PolicyError
 from core.fleet import load_fleet
-from core.policy import BackfillMode, OrderingMode, Policy
+from core.policy import MAX_PRICE, BackfillMode, OrderingMode, Policy
+from schemas.bounds import MAX_PRICE as WIRE_MAX_PRICE
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -54,6 +55,10 @@ def test_example_policy_exposes_what_the_queue_validates() -> None:
         ({"fair_share": {"usage_weight": float("inf")}}, "fair_share.usage_weight"),
         ({"backfill": {"min_reserved_accelerators": -8}}, "backfill.min_reserved_accelerators"),
         ({"backfill": {"max_reservations": True}}, "backfill.max_reservations"),
+        # A negative price would credit whoever ran there; a huge or NaN one breaks the bill.
+        ({"prices": {"H100": {"spot": -0.5}}}, "prices.H100.spot"),
+        ({"prices": {"H100": {"on_demand": float("nan")}}}, "prices.H100.on_demand"),
+        ({"prices": {"H100": {"reserved": 1e300}}}, "prices.H100.reserved"),
     ],
 )
 def test_bad_policy_names_the_key(doc: dict[str, object], fragment: str) -> None:
@@ -118,8 +123,21 @@ def test_example_fleet_loads() -> None:
         {"clusters": [{"name": "a", "node_groups": [{"count": -1, "accelerator_type": "X"}]}]},
         {"clusters": [{"name": "a", "kind": "moon"}]},
         {"clusters": [{"name": "a"}, {"name": "a"}]},
+        {"clusters": [{"name": "a", "prices": {"H100": {"spot": -1}}}]},
+        {"clusters": [{"name": "a", "prices": {"H100": {"spot": float("inf")}}}]},
+        {"clusters": [{"name": "a", "prices": {"H100": {"spot": MAX_PRICE * 2}}}]},
     ],
 )
 def test_bad_fleet_raises(doc: dict[str, object]) -> None:
     with pytest.raises(FleetError):
         load_fleet(doc)
+
+
+def test_the_files_and_the_wire_hold_prices_to_one_bound() -> None:
+    assert MAX_PRICE == WIRE_MAX_PRICE
+    clusters, _ = load_fleet(
+        {"clusters": [{"name": "a", "prices": {"H100": {"spot": 0, "on_demand": MAX_PRICE}}}]}
+    )
+    assert set(clusters["a"].prices.values()) == {0.0, MAX_PRICE}  # type: ignore[index]
+    with pytest.raises(FleetError, match=r"clusters\[0\]\.prices\.H100\.spot: expected a price"):
+        load_fleet({"clusters": [{"name": "a", "prices": {"H100": {"spot": "cheap"}}}]})

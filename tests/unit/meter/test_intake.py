@@ -9,9 +9,11 @@ from typing import Any
 from aiokafka import ConsumerRecord
 
 from schemas import topics
-from schemas.events import RunFailed
+from schemas.envelope import Envelope
+from schemas.events import ClusterCapacity, RunFailed
 from services.meter.intake import TOPICS, read_batch
 from services.meter.runs import Finished
+from tests.unit.meter.builders import capacity
 from tests.unit.meter.scenario import RunSpec, envelope, finished, preempted
 
 
@@ -86,3 +88,32 @@ def test_a_failed_run_ends_its_metering_whether_or_not_the_job_is_retried() -> N
         Finished("j", 2, 42_500_000, "failed", True),
         Finished("j", 2, 0, "failed", False),
     ]
+
+
+def test_an_inventory_priced_out_of_bounds_is_dead_lettered_not_billed() -> None:
+    """A price per accelerator-hour above schemas.bounds.MAX_PRICE would overflow the
+    ledger's 64-bit amounts (the batch would fail for ever) and a negative one would credit
+    the tenants: either way the inventory is refused, with the field named."""
+    good = capacity("onprem-h100")
+
+    def priced(price: str) -> bytes:
+        raw = envelope_of(good).replace(b'"reserved":2.1', b'"reserved":' + price.encode())
+        assert price.encode() in raw
+        return raw
+
+    facts, dead = read_batch(
+        (
+            record(topics.CLUSTER_CAPACITY, priced("1e300"), 0),
+            record(topics.CLUSTER_CAPACITY, priced("-5"), 1),
+            record(topics.CLUSTER_CAPACITY, envelope_of(good), 2),
+        )
+    )
+    assert [type(f).__name__ for _, f in facts] == ["Capacity"]
+    assert len(dead) == 2
+    for letter in dead:
+        assert "prices.H100.reserved" in letter.envelope.payload["error"]
+
+
+def envelope_of(payload: ClusterCapacity) -> bytes:
+    env = Envelope(type="ClusterCapacity", producer="executor", payload=payload.model_dump())
+    return env.model_dump_json().encode()
