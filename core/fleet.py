@@ -4,6 +4,7 @@ nodes. Pure: the caller reads the file. Node ids are `<cluster>-<prefix>-<index:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,13 @@ _GROUP_KEYS = {
     "accelerator_memory_gb",
     "relative_speed",
 }
+
+
+# A node group's size and a node's devices (the wire's bound on a node, schemas.events
+# ReplicaAssignment.devices, is 4,096 devices; a group of more nodes is a typo, and would be
+# built in memory by every service that loads the file).
+MAX_GROUP_NODES = 100_000
+MAX_NODE_DEVICES = 4096
 
 
 def load_fleet(
@@ -94,8 +102,10 @@ def _group_nodes(
     if unknown:
         raise FleetError(f"{where}: unknown key(s) {unknown}")
     prefix = str(group.get("prefix", "node"))
-    count = _whole(group.get("count"), f"{where}.count")
-    per_node = _whole(group.get("accelerators_per_node", 8), f"{where}.accelerators_per_node")
+    count = _whole(group.get("count"), f"{where}.count", MAX_GROUP_NODES)
+    per_node = _whole(
+        group.get("accelerators_per_node", 8), f"{where}.accelerators_per_node", MAX_NODE_DEVICES
+    )
     per_rack = max(1, _whole(group.get("nodes_per_rack", 8), f"{where}.nodes_per_rack"))
     per_block = max(1, _whole(group.get("racks_per_block", 8), f"{where}.racks_per_block"))
     nvlink = max(1, _whole(group.get("nvlink_domain_size", 1), f"{where}.nvlink_domain_size"))
@@ -137,7 +147,9 @@ def _model(
         memory_gb=_number(
             group.get("accelerator_memory_gb", base.memory_gb), f"{where}.accelerator_memory_gb"
         ),
-        relative_speed=_number(group.get("relative_speed", base.relative_speed), where),
+        relative_speed=_number(
+            group.get("relative_speed", base.relative_speed), f"{where}.relative_speed"
+        ),
     )
 
 
@@ -151,14 +163,26 @@ def _tier(value: Any, where: str) -> PriceTier:
 
 
 def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise FleetError(f"{where}: expected a number, got {value!r}")
+    """A size, a speed, a rate or a duration: finite and not negative (a NaN would reach the
+    executor's inventory, which the wire refuses, and stop it at start with no key named)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value < math.inf  # also NaN
+    ):
+        raise FleetError(f"{where}: expected a finite number of at least 0, got {value!r}")
     return float(value)
 
 
-def _whole(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise FleetError(f"{where}: expected a non-negative integer, got {value!r}")
+def _whole(value: Any, where: str, most: int | None = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 0
+        or (most is not None and value > most)
+    ):
+        bound = "" if most is None else f" up to {most:,}"
+        raise FleetError(f"{where}: expected a non-negative integer{bound}, got {value!r}")
     return value
 
 

@@ -115,6 +115,10 @@ def test_example_fleet_loads() -> None:
     assert {n.accelerator.type for n in nodes.values()} <= set(policy.accelerator_types)
 
 
+def group(**over: object) -> dict[str, object]:
+    return {"count": 2, "accelerator_type": "H100", **over}
+
+
 @pytest.mark.parametrize(
     "doc",
     [
@@ -124,11 +128,19 @@ def test_example_fleet_loads() -> None:
         {"clusters": [{"name": "a", "kind": "moon"}]},
         {"clusters": [{"name": "a"}, {"name": "a"}]},
         {"clusters": [{"name": "a", "prices": {"H100": {"spot": -1}}}]},
+        # A NaN or negative size would reach the executor's inventory (which the wire
+        # refuses) and a huge count would be built in memory by every service.
+        {"clusters": [{"name": "a", "node_groups": [group(cpu=float("nan"))]}]},
+        {"clusters": [{"name": "a", "node_groups": [group(relative_speed=-1)]}]},
+        {"clusters": [{"name": "a", "node_groups": [group(memory_gb=float("inf"))]}]},
+        {"clusters": [{"name": "a", "node_groups": [group(count=10**9)]}]},
+        {"clusters": [{"name": "a", "node_groups": [group(accelerators_per_node=5000)]}]},
         {"clusters": [{"name": "a", "prices": {"H100": {"spot": float("inf")}}}]},
         {"clusters": [{"name": "a", "prices": {"H100": {"spot": MAX_PRICE * 2}}}]},
     ],
 )
 def test_bad_fleet_raises(doc: dict[str, object]) -> None:
+    assert load_fleet({"clusters": [{"name": "a", "node_groups": [group()]}]})  # the base is fine
     with pytest.raises(FleetError):
         load_fleet(doc)
 
