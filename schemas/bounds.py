@@ -160,6 +160,25 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$"
 MAX_PRICE = 100_000.0
 Price = Annotated[float, Field(ge=0, le=MAX_PRICE)]
 
+# A node's accelerators (its devices are numbered 0-4095 on the wire, ReplicaAssignment), as
+# the fleet file holds them too (core.fleet.MAX_NODE_DEVICES). The scheduler sizes a cycle's
+# arrays by the largest node: one node claiming 10**13 stopped every cycle for good.
+MAX_NODE_DEVICES = 4096
+NodeDevices = Annotated[int, Field(ge=0, le=MAX_NODE_DEVICES)]
+# A scheduler leader's lease epoch: one a second for 30,000 years, exact as a double (the
+# lease's Lua script counts in doubles) and as a bigint. A forged epoch far above the real ones
+# deposed every leader (the fences refuse all lower epochs) and broke the lease's counter.
+MAX_EPOCH = 10**12
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
+# How long one run ran, in fleet seconds: a decade. The meter cuts a tick per interval of it,
+# so a timestamp sent as a duration (1.7e9) made it build tens of millions of ticks at once.
+MAX_RUN_S = 10 * 365 * 86400.0
+RunSeconds = Annotated[float, Field(ge=0, le=MAX_RUN_S)]
+# An amount of the meter's (accelerator-seconds, cost), either sign (a close tick can credit):
+# the most its 64-bit millionths can hold. The gateway sums them; past 1e22 its report failed.
+MAX_AMOUNT = 9.2e12
+Amount = Annotated[float, Field(ge=-MAX_AMOUNT, le=MAX_AMOUNT)]
+
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=NAME_PATTERN)]
 Identifier = Annotated[str, Field(min_length=1, max_length=127, pattern=IDENTIFIER_PATTERN)]
 JobId = Annotated[str, Field(min_length=1, max_length=64, pattern=JOB_ID_PATTERN)]

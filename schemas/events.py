@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.bounds import Name, Price
+from schemas.bounds import Epoch, Name, NodeDevices, Price, RunSeconds
 from schemas.job import JobSpec
 
 
@@ -138,7 +138,7 @@ class PlacementHead(Payload):
 
     job_id: str
     attempt: int
-    epoch: int
+    epoch: Epoch
     leader: str
     cluster: str
     accelerator_type: str
@@ -158,7 +158,7 @@ class PlacementRefused(Payload):
 
     job_id: str
     attempt: int
-    epoch: int
+    epoch: Epoch
     cluster: str
     reason_code: str
     message: str
@@ -181,7 +181,7 @@ class JobFinished(Payload):
     reason_code: str | None = None
     message: str | None = None
     cluster: str | None = None
-    ran_s: float = 0.0
+    ran_s: RunSeconds = 0.0
 
 
 class JobPreempted(Payload):
@@ -194,11 +194,11 @@ class JobPreempted(Payload):
     reason_code: str
     message: str
     failed_nodes: list[str] = Field(default_factory=list)
-    ran_s: float = 0.0
-    work_kept_s: float = Field(
+    ran_s: RunSeconds = 0.0
+    work_kept_s: RunSeconds = Field(
         default=0.0, description="Seconds of this run saved by its last checkpoint (fleet time)."
     )
-    work_lost_s: float = Field(
+    work_lost_s: RunSeconds = Field(
         default=0.0, description="Seconds of this run after its last checkpoint, to redo."
     )
     for_job: str | None = Field(
@@ -216,7 +216,7 @@ class RunFailed(Payload):
     reason_code: str = Field(description="application_error or out_of_memory.")
     message: str
     exit_code: int | None = None
-    ran_s: float = 0.0
+    ran_s: RunSeconds = 0.0
 
 
 class Claim(Payload):
@@ -251,7 +251,7 @@ class PreemptionRequested(Payload):
     )
     message: str
     grace_s: float = Field(description="The victim's checkpoint grace period (fleet seconds).")
-    epoch: int
+    epoch: Epoch
     leader: str
 
 
@@ -265,7 +265,7 @@ class LeaderFence(Payload):
     on that partition it has already seen the higher epoch. Consumers with nothing to fence skip
     these records (their envelope type is `LeaderFence`)."""
 
-    epoch: int = Field(description="The new leader's lease epoch.")
+    epoch: Epoch = Field(description="The new leader's lease epoch.")
     leader: str
 
 
@@ -338,7 +338,7 @@ class NodeInfo(Payload):
     generation: str
     accelerator_memory_gb: float
     relative_speed: float
-    accelerators: int
+    accelerators: NodeDevices
     cpu: float
     memory_gb: float
     price_tier: str
@@ -413,7 +413,7 @@ class CapacityDemand(Payload):
     share or priority), head of the queue first; sent when it changes and now and then."""
 
     scheduler: str = Field(max_length=253, description="The leader that sent it.")
-    epoch: int = Field(ge=0)
+    epoch: Epoch
     jobs: list[DemandItem] = Field(default_factory=list, max_length=2000)
     pending_jobs: int = Field(ge=0, description="All pending jobs, capacity-bound or not.")
     truncated: bool = False
@@ -438,7 +438,7 @@ class NodeHeartbeat(Payload):
     node_id: str
     cluster: str
     healthy: bool = True
-    accelerators: int
+    accelerators: NodeDevices
     allocated_accelerators: float
 
 

@@ -13,6 +13,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
+from schemas.bounds import Amount
 from schemas.events import Payload
 
 
@@ -67,12 +68,12 @@ class UsageTick(Payload):
     )
     end_offset_s: float = Field(description="... and where it ends.")
     seconds: float = Field(description="end_offset_s - start_offset_s, in fleet seconds.")
-    accelerator_seconds: float = Field(
+    accelerator_seconds: Amount = Field(
         description="count x seconds (rounded so that the ticks "
         "of a run add up exactly to its total)."
     )
     unit_price: float = Field(description="Price per accelerator-hour.")
-    cost: float = Field(description="accelerator_seconds / 3600 x unit_price, same rounding rule.")
+    cost: Amount = Field(description="accelerator_seconds / 3600 x unit_price, same rounding rule.")
     currency: str = "USD"
     outcome: str | None = Field(
         default=None,
@@ -106,7 +107,10 @@ class BudgetExceeded(Payload):
     enforcement: Enforcement
     currency: str | None = None
     weight_factor: float | None = Field(
-        default=None, description="For deprioritize: multiply the tenant's fair-share weight."
+        default=None,
+        gt=0,
+        le=1,
+        description="For deprioritize: multiply the tenant's fair-share weight (only lowers it).",
     )
     crossed_at: datetime
     message: str

@@ -3,6 +3,7 @@ them, the gateway's cost page shows them. Pure parsing; docs/metering.md explain
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -86,13 +87,17 @@ def _budget(d: Any, where: str) -> Budget:
         limit=value,
         thresholds=thresholds,
         enforcement=enforcement,
-        weight_factor=_positive(d.get("deprioritize_weight", 0.5), f"{where}.deprioritize_weight"),
+        # A multiplier that only lowers a weight (the wire refuses any other, BudgetExceeded).
+        weight_factor=_positive(
+            d.get("deprioritize_weight", 0.5), f"{where}.deprioritize_weight", most=1
+        ),
     )
 
 
-def _positive(value: Any, where: str) -> Decimal:
+def _positive(value: Any, where: str, most: float = math.inf) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{where}: must be positive, got {value!r}")
+    if not 0 < value <= most or not math.isfinite(value):  # also NaN
+        bound = "" if most == math.inf else f" and at most {most:g}"
+        raise ConfigError(f"{where}: must be positive and finite{bound}, got {value!r}")
     return Decimal(str(value))

@@ -18,17 +18,15 @@ from aiokafka import ConsumerRecord
 from schemas import topics
 from schemas.events import ClusterCapacity
 from schemas.health import NodeRecovered, NodeUnhealthy
-from services.common.deadletter import Received, dead_letter, decode_payloads
+from services.common.deadletter import Received, decode_payloads
 from services.common.kafka import OutMessage
 
 HEALTH_TOPICS = (topics.NODE_UNHEALTHY, topics.NODE_RECOVERED)
 FLEET_TOPICS = (topics.CLUSTER_CAPACITY, *HEALTH_TOPICS)
 # An unreadable cluster.capacity record is dead-lettered by pools.record_pools, which reads the
-# same records; this module dead-letters only what it alone reads or refuses.
+# same records; this module dead-letters only what it alone reads.
 _DECODE_DEAD_LETTERS = frozenset(HEALTH_TOPICS)
 VERDICTS_KEPT = 20
-# Device indices run from 0 to 4095 on the wire (ReplicaAssignment.devices).
-MAX_DEVICES_PER_NODE = 4096
 # The verdicts of a node no inventory lists (gone, or never ours) are forgotten after this.
 UNKNOWN_NODE_TTL = timedelta(days=1)
 _DETAIL_CHARS = 1000
@@ -104,16 +102,12 @@ class FleetWrites:
         return [newest[n] for n in sorted(newest)]
 
 
-def _inventory(got: Received, p: ClusterCapacity) -> Inventory | str:
-    """The cluster's inventory as rows, or why it is refused."""
+def _inventory(got: Received, p: ClusterCapacity) -> Inventory:
+    """The cluster's inventory as rows (a node's accelerators are bounded by the wire:
+    NodeInfo refuses fewer than 0 or more than 4,096, so such an inventory never gets here)."""
     rows: dict[str, tuple[Any, ...]] = {}
     at = got.envelope.occurred_at
     for n in p.nodes:
-        if not 0 <= n.accelerators <= MAX_DEVICES_PER_NODE:
-            return (
-                f"node {n.node_id[:253]!r} claims {n.accelerators} accelerators; a node has "
-                f"0 to {MAX_DEVICES_PER_NODE}"
-            )
         rows[n.node_id] = (
             n.node_id,
             p.cluster,
@@ -163,9 +157,6 @@ def fleet_writes(records: Sequence[ConsumerRecord[Any, Any]]) -> FleetWrites:
     for got, p in received:
         if isinstance(p, ClusterCapacity):
             inv = _inventory(got, p)
-            if isinstance(inv, str):
-                out.dead.append(dead_letter(got.record, inv, consumer="gateway"))
-                continue
             known = out.inventories.get(inv.cluster)
             if known is None or known.at <= inv.at:
                 out.inventories[inv.cluster] = inv

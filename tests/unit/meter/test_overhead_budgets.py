@@ -142,6 +142,12 @@ def test_the_example_budgets_file_parses() -> None:
     [
         ({"budgets": [{"tenant": "a", "limit": {"hours": 3}}]}, "hours"),
         ({"budgets": [{"tenant": "a", "limit": {"currency": -1}}]}, "positive"),
+        ({"budgets": [{"tenant": "a", "limit": {"currency": float("nan")}}]}, "limit.currency"),
+        # A weight factor only lowers a weight: the wire refuses any other (BudgetExceeded).
+        (
+            {"budgets": [{"tenant": "a", "limit": {"currency": 9}, "deprioritize_weight": 2}]},
+            "at most 1",
+        ),
         ({"budgets": [{"limit": {"currency": 1}}]}, "tenant"),
         ({"budgets": [{"tenant": "a", "limit": {"currency": 1}, "enforce": "block"}]}, "enforce"),
         ({"overhead": {"mode": "sometimes"}}, "overhead.mode"),

@@ -415,8 +415,9 @@ def test_run_ends_read_in_any_order_each_count_once() -> None:
     for event in (failed, first, failed, first):  # and each redelivered
         state.on_preempted(event)
     assert state.served_total("j1") == 1030.0 * accelerators  # type: ignore[arg-type]
-    # More than any job could serve is capped, so sums and levels stay finite.
-    huge = JobPreempted(
+    # More than any job could serve is capped, so sums and levels stay finite. (The wire
+    # refuses a run of more than a decade, schemas.bounds.MAX_RUN_S; the cap holds anyway.)
+    huge = JobPreempted.model_construct(
         job_id="j1", attempt=3, cluster="c1", reason_code="x", message="m", ran_s=1e300
     )
     state.on_preempted(huge)
