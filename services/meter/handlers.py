@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
+import structlog
 from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as Metric
@@ -39,7 +40,11 @@ from services.meter.pricing import Pool, PriceBook, PriceKey
 from services.meter.runs import Phase, RunKey, RunState, apply_facts, bill_open, fact_key
 from services.meter.ticks import Grid, Tick
 
+log = structlog.get_logger()
 CLOSE = TickKind.CLOSE
+# How far a producer's clock may run ahead of the meter's: a run's reported end is believed up
+# to now plus this (wall time), and cut there beyond it (runs.advance).
+CLOCK_SKEW = timedelta(minutes=5)
 
 
 class MeterMetrics:
@@ -62,6 +67,11 @@ class MeterMetrics:
         )
         self.unpriced = Gauge(
             "qm_meter_unpriced_pools", "Pools without any price (billed at 0)", registry=registry
+        )
+        self.cut = Metric(
+            "qm_meter_runs_cut_total",
+            "Runs whose end event reported more run time than can have passed (closed at now)",
+            registry=registry,
         )
         self.batch = Histogram("qm_meter_batch_seconds", "One lifecycle batch", registry=registry)
         self.tick_pass = Histogram("qm_meter_tick_seconds", "One clock pass", registry=registry)
@@ -189,7 +199,9 @@ class Meter:
             keys = {k for k in map(fact_key, todo) if k is not None}
             known = {k: self.open[k] for k in keys if k in self.open}
             known.update(await store.lock_runs(conn, keys - known.keys()))
-            applied = apply_facts(todo, known, self.book, self.grid)
+            # A run cannot have ended after now (with room for the producer's clock).
+            latest = self.grid.virtual(self.clock() + CLOCK_SKEW)
+            applied = apply_facts(todo, known, self.book, self.grid, latest)
             await store.save_runs(conn, list(applied.states.values()))
             await store.save_pools(conn, applied.pools)
             await store.save_announced(conn, {c: self.book.announced[c] for c in applied.pools})
@@ -205,6 +217,9 @@ class Meter:
             self.pools = {k: p for k, p in self.pools.items() if p.cluster != cluster}
             self.pools.update((p.key, p) for p in pools)
         self.metrics.duplicates.inc(len(facts) - len(todo))
+        if applied.cut:
+            self.metrics.cut.inc(applied.cut)
+            log.warning("run times past now reported; closed at now", runs=applied.cut)
         self.metrics.open_runs.set(len(self.open))
         self.metrics.unpriced.set(len(self.book.unpriced))
 

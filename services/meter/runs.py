@@ -105,6 +105,7 @@ class RunState:
     ran_u: int | None = None
     outcome: str | None = None
     run: Run | None = None
+    cut: bool = False  # closed short of the run time reported (advance)
 
     @property
     def key(self) -> RunKey:
@@ -120,6 +121,7 @@ class Applied:
     pools: dict[str, list[Pool]] = field(default_factory=dict)  # cluster -> its inventory
     opened: int = 0
     closed: int = 0
+    cut: int = 0  # runs closed at latest_end_v, short of the end their producer reported
 
 
 def fact_key(fact: Fact) -> RunKey | None:
@@ -127,9 +129,14 @@ def fact_key(fact: Fact) -> RunKey | None:
 
 
 def apply_facts(
-    facts: Iterable[Fact], known: dict[RunKey, RunState], book: PriceBook, grid: Grid
+    facts: Iterable[Fact],
+    known: dict[RunKey, RunState],
+    book: PriceBook,
+    grid: Grid,
+    latest_end_v: int | None = None,
 ) -> Applied:
-    """Fold facts, in order, into the known states of their runs (missing ones start empty)."""
+    """Fold facts, in order, into the known states of their runs (missing ones start empty).
+    A run is closed no later than `latest_end_v` (fleet microseconds; see `advance`)."""
     out = Applied()
     for fact in facts:
         if isinstance(fact, Capacity):
@@ -137,7 +144,8 @@ def apply_facts(
             continue
         key = (fact.job_id, fact.attempt)
         before = out.states.get(key) or known.get(key) or RunState(*key)
-        state, ticks = advance(_take(before, fact, book), grid)
+        state, ticks = advance(_take(before, fact, book), grid, latest_end_v)
+        out.cut += int(state.cut and not before.cut)
         if state != before:
             out.states[key] = state
             out.opened += int(before.phase is Phase.PENDING and state.phase is not Phase.PENDING)
@@ -187,8 +195,15 @@ def _placement_of(st: RunState) -> Placement | None:
     return max(st.placements, key=lambda p: p.epoch)
 
 
-def advance(st: RunState, grid: Grid) -> tuple[RunState, list[Tick]]:
-    """Open a run whose placement and start are known; close an open run whose end is."""
+def advance(
+    st: RunState, grid: Grid, latest_end_v: int | None = None
+) -> tuple[RunState, list[Tick]]:
+    """Open a run whose placement and start are known; close an open run whose end is.
+
+    A run cannot have ended after `latest_end_v` (the meter's clock, with room for skew):
+    a longer run time reported (a timestamp sent as a duration, a clock gone wrong) is cut
+    there, so that closing it costs ticks up to now at most, not one per interval of years,
+    all built at once. The run is marked `cut`."""
     if st.phase is Phase.PENDING and st.started_at is not None:
         p = _placement_of(st)
         if p is not None:
@@ -205,8 +220,11 @@ def advance(st: RunState, grid: Grid) -> tuple[RunState, list[Tick]]:
             )
             st = evolve(st, phase=Phase.OPEN, run=run, placements=(p,))
     if st.phase is Phase.OPEN and st.ran_u is not None and st.run is not None:
-        ticks = close_run(st.run, st.ran_u, grid, st.outcome)
-        return evolve(st, phase=Phase.CLOSED, placements=()), ticks
+        ran_u, cut = st.ran_u, False
+        if latest_end_v is not None and st.run.start_v + ran_u > latest_end_v:
+            ran_u, cut = max(0, latest_end_v - st.run.start_v), True
+        ticks = close_run(st.run, ran_u, grid, st.outcome)
+        return evolve(st, phase=Phase.CLOSED, placements=(), ran_u=ran_u, cut=cut), ticks
     return st, []
 
 

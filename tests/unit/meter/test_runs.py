@@ -136,3 +136,26 @@ def test_the_clock_bills_open_runs_and_holds_back_a_long_catch_up() -> None:
     assert not held and len(more) == 6
     assert all(isinstance(s, RunState) for s in again)
     assert totals(ticks + more)[0] == 8 * 600 * S
+
+
+def test_a_run_reported_longer_than_can_have_passed_is_closed_at_the_latest_end() -> None:
+    """A run time that cannot be (here ten days, five minutes after the start; a timestamp
+    sent as a duration, 1.7e9 s, was 28 million one-minute intervals, all built at once) is
+    cut at the latest end the meter believes; a run ending within it is billed as reported."""
+    g = grid()
+    latest = g.virtual(after(15 + 300))  # the meter's now: five minutes after the start
+    facts = [placed(), started(at=after(15))]
+    lied = apply_facts([*facts, finished(ran_s="864000")], {}, book(), g, latest)
+    state = lied.states[("job-1", 1)]
+    assert state.phase is Phase.CLOSED and state.cut and lied.cut == 1
+    assert state.ran_u == 300 * S
+    assert len(lied.ticks) <= 7  # the five or six intervals up to now, and the close
+    assert totals(lied.ticks)[0] == 8 * 300 * S
+
+    honest = apply_facts([*facts, finished(ran_s="300")], {}, book(), g, latest)
+    assert honest.cut == 0 and not honest.states[("job-1", 1)].cut
+    assert totals(honest.ticks) == totals(lied.ticks)
+    # Without a latest end (as before), the same 300 s are billed the same.
+    assert totals(apply_facts([*facts, finished(ran_s="300")], {}, book(), g).ticks) == totals(
+        honest.ticks
+    )
