@@ -8,6 +8,7 @@ import asyncio
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, cast
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord
@@ -179,8 +180,11 @@ def envelope_for(
     producer: str,
     tenant: str | None = None,
     cause: Envelope | None = None,
+    occurred_at: datetime | None = None,
 ) -> Envelope:
-    """A new envelope; trace id and causation follow from the event that caused it."""
+    """A new envelope; trace id and causation follow from the event that caused it. Its time
+    is now, or `occurred_at`: the moment a decision was taken, when the event states a
+    deadline counted from it."""
     body = (
         payload.model_dump(mode="json", exclude_none=True)
         if hasattr(payload, "model_dump")
@@ -189,6 +193,8 @@ def envelope_for(
     extra: dict[str, Any] = {}
     if cause is not None:
         extra = {"trace_id": cause.trace_id, "causation_id": cause.event_id}
+    if occurred_at is not None:
+        extra["occurred_at"] = occurred_at
     return Envelope(type=event_type, producer=producer, tenant=tenant, payload=body, **extra)
 
 

@@ -23,7 +23,10 @@ def cause_of(request_id: str, trace_id: str, tenant: str) -> Envelope:
     )
 
 
-def checkpoint(req: Request, signal: Signal, cause: Envelope) -> OutMessage:
+def checkpoint(req: Request, signal: Signal, cause: Envelope, at: datetime) -> OutMessage:
+    """The request to checkpoint, stamped `at`, the moment its deadline (`stop_at`, a grace
+    period later) is counted from: the stop order, stamped when the timer finds it due, then
+    never looks sooner than the grace, however long the batch took to send the request."""
     cmd = JobCheckpointRequested(
         job_id=req.job_id,
         attempt=req.attempt,
@@ -33,10 +36,10 @@ def checkpoint(req: Request, signal: Signal, cause: Envelope) -> OutMessage:
         for_job=req.for_job,
         reason_code=req.reason_code,
     )
-    return _out(topics.JOB_CHECKPOINT_REQUESTED, "JobCheckpointRequested", req, cmd, cause)
+    return _out(topics.JOB_CHECKPOINT_REQUESTED, "JobCheckpointRequested", req, cmd, cause, at)
 
 
-def order(req: Request, decision: Order, cause: Envelope) -> OutMessage:
+def order(req: Request, decision: Order, cause: Envelope, at: datetime) -> OutMessage:
     cmd = JobPreemptOrdered(
         job_id=req.job_id,
         attempt=req.attempt,
@@ -45,7 +48,7 @@ def order(req: Request, decision: Order, cause: Envelope) -> OutMessage:
         reason_code=req.reason_code,
         message=decision.message,
     )
-    return _out(topics.JOB_PREEMPT_ORDERED, "JobPreemptOrdered", req, cmd, cause)
+    return _out(topics.JOB_PREEMPT_ORDERED, "JobPreemptOrdered", req, cmd, cause, at)
 
 
 def canceled(req: Request, decision: Cancel, cause: Envelope) -> OutMessage:
@@ -87,6 +90,9 @@ def _out(
     req: Request,
     payload: JobCheckpointRequested | JobPreemptOrdered | PreemptionCanceled,
     cause: Envelope,
+    at: datetime | None = None,
 ) -> OutMessage:
-    env = envelope_for(event_type, payload, producer=PRODUCER, tenant=req.tenant, cause=cause)
+    env = envelope_for(
+        event_type, payload, producer=PRODUCER, tenant=req.tenant, cause=cause, occurred_at=at
+    )
     return OutMessage(topic, req.job_id, env)

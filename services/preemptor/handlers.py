@@ -281,13 +281,13 @@ class Preemptor:
         delay = None
         if isinstance(decision, Signal):
             await store.mark_signaled(conn, req.id, decision.grace_s, decision.stop_at, now)
-            effects.messages.append(emit.checkpoint(req, decision, cause))
+            effects.messages.append(emit.checkpoint(req, decision, cause, now))
         elif isinstance(decision, Cancel):
             await store.mark_canceled(conn, req.id, decision.reason.value, decision.message, now)
             effects.messages.append(emit.canceled(req, decision, cause))
         elif isinstance(decision, Order):
             await store.mark_ordered(conn, req.id, now)
-            effects.messages.append(emit.order(req, decision, cause))
+            effects.messages.append(emit.order(req, decision, cause, now))
             if stop_at is not None:
                 delay = max(0.0, (now - stop_at).total_seconds())
         effects.decided.append(Decided(req, cause, decision, first, delay))

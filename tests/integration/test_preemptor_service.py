@@ -197,11 +197,12 @@ async def test_a_valid_request_is_signaled_then_ordered_after_the_capped_grace(
     assert topics.PREEMPTION_CANCELED not in got
     sig = signal_env["payload"]
     assert (sig["grace_s"], sig["for_job"], sig["attempt"]) == (GRACE_CAP_S, asker, 1)
-    # 120 fleet seconds at 60x: stop_at is 2 s after the decision (the signal's envelope is
-    # stamped just after it), and the stop never comes before stop_at. How late it comes is
-    # measured (qm_preemptor_order_delay_seconds), not asserted: machines are noisy.
+    # 120 fleet seconds at 60x: stop_at is 2 s after the decision, the moment the signal's
+    # envelope is stamped with, and the stop never comes before stop_at, so never sooner than
+    # the grace after the signal, however long the batch took. How late it comes is measured
+    # (qm_preemptor_order_delay_seconds), not asserted: machines are noisy.
     stop_at = at(signal_env, "stop_at")
-    assert 0 < (stop_at - at(signal_env)).total_seconds() <= 2.0 + 1e-3
+    assert stop_at - at(signal_env) == timedelta(seconds=2)
     assert at(order) >= stop_at
     assert order["payload"]["reason_code"] == "preempted_for_priority"
     assert signal_env["trace_id"] == order["trace_id"] == trace
