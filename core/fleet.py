@@ -263,14 +263,16 @@ def _pool(
         raise FleetError(
             f"{where}: no {tier.value} price for {model.type} in the cluster or the policy"
         )
-    minimum = _whole(group.get("min_nodes", 0), f"{where}.min_nodes")
-    maximum = _whole(group.get("max_nodes", 0), f"{where}.max_nodes")
+    minimum = _whole(group.get("min_nodes", 0), f"{where}.min_nodes", MAX_GROUP_NODES)
+    maximum = _whole(group.get("max_nodes", 0), f"{where}.max_nodes", MAX_GROUP_NODES)
     if maximum < minimum:
         raise FleetError(f"{where}: max_nodes {maximum} is below min_nodes {minimum}")
     stockout = _number(group.get("stockout_rate", 0.0), f"{where}.stockout_rate")
     if not 0.0 <= stockout <= 1.0:
         raise FleetError(f"{where}.stockout_rate: expected a share between 0 and 1")
-    per_node = _whole(group.get("accelerators_per_node", 8), f"{where}.accelerators_per_node")
+    per_node = _whole(
+        group.get("accelerators_per_node", 8), f"{where}.accelerators_per_node", MAX_NODE_DEVICES
+    )
     if per_node < 1:
         raise FleetError(f"{where}.accelerators_per_node: expected at least 1")
     return NodePool(

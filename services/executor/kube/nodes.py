@@ -11,6 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 from core.model import AcceleratorModel, ClusterId, Node, NodeId, PriceTier
+from schemas.bounds import MAX_NODE_DEVICES
 from services.executor.kube.pods import HOSTNAME_LABEL
 
 Obj = dict[str, Any]
@@ -105,7 +106,11 @@ def node_view(
     )
     node = None
     acc_type = own.get(labels.accelerator)
-    if acc_type:
+    devices = int(quantity(allocatable.get(labels.resource(acc_type)))) if acc_type else 0
+    # A device plugin gone wrong can report any count; a node has at most MAX_NODE_DEVICES
+    # (the inventory on the wire refuses more, and the executor's device books are sized by
+    # it): such a node is not offered at all, rather than stopping the cluster's inventory.
+    if acc_type and devices <= MAX_NODE_DEVICES:
         model = types.get(acc_type) or AcceleratorModel(acc_type, acc_type, 0.0)
         try:
             tier = PriceTier(own.get(labels.price_tier, PriceTier.ON_DEMAND.value))
@@ -118,7 +123,7 @@ def node_view(
             rack=own.get(labels.rack, ""),
             nvlink_domain=own.get(labels.nvlink, name),
             accelerator=model,
-            accelerators=int(quantity(allocatable.get(labels.resource(acc_type)))),
+            accelerators=devices,
             cpu=float(quantity(allocatable.get("cpu"))),
             memory_gb=round(float(quantity(allocatable.get("memory")) / 2**30), 3),
             price_tier=tier,

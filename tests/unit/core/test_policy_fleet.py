@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from core.errors import FleetError, PolicyError
-from core.fleet import load_fleet
+from core.fleet import MAX_NODE_DEVICES, load_fleet
 from core.policy import MAX_PRICE, BackfillMode, OrderingMode, Policy
+from schemas.bounds import MAX_NODE_DEVICES as WIRE_MAX_NODE_DEVICES
 from schemas.bounds import MAX_PRICE as WIRE_MAX_PRICE
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -145,8 +146,9 @@ def test_bad_fleet_raises(doc: dict[str, object]) -> None:
         load_fleet(doc)
 
 
-def test_the_files_and_the_wire_hold_prices_to_one_bound() -> None:
+def test_the_files_and_the_wire_hold_prices_and_devices_to_one_bound() -> None:
     assert MAX_PRICE == WIRE_MAX_PRICE
+    assert MAX_NODE_DEVICES == WIRE_MAX_NODE_DEVICES
     clusters, _ = load_fleet(
         {"clusters": [{"name": "a", "prices": {"H100": {"spot": 0, "on_demand": MAX_PRICE}}}]}
     )

@@ -321,6 +321,13 @@ def test_a_node_without_the_accelerator_label_is_not_inventory() -> None:
     assert node_view(bare, "c", NodeLabels(), TYPES).node is None
 
 
+def test_a_node_reporting_more_devices_than_a_node_has_is_not_inventory() -> None:
+    """A device plugin reporting 10**6 GPUs: the node is left out, where its count would
+    have made the whole cluster's inventory unsendable (the wire takes 0 to 4,096)."""
+    assert node_view(node(gpus="4096"), "c", NodeLabels(), TYPES).node is not None
+    assert node_view(node(gpus="1000000"), "c", NodeLabels(), TYPES).node is None
+
+
 def test_lost_devices_are_counted() -> None:
     before = node_view(node(gpus="8"), "c", NodeLabels(), TYPES)
     assert lost_devices(before, node_view(node(gpus="6"), "c", NodeLabels(), TYPES)) == 2
