@@ -167,7 +167,7 @@ MAX_NODE_DEVICES = 4096
 NodeDevices = Annotated[int, Field(ge=0, le=MAX_NODE_DEVICES)]
 # A scheduler leader's lease epoch: one a second for 30,000 years, exact as a double (the
 # lease's Lua script counts in doubles) and as a bigint. A forged epoch far above the real ones
-# deposed every leader (the fences refuse all lower epochs) and broke the lease's counter.
+# made the leader step down to re-acquire above it, the fences refusing real decisions meanwhile.
 MAX_EPOCH = 10**12
 Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
 # How long one run ran, in fleet seconds: a decade. The meter cuts a tick per interval of it,
