@@ -97,7 +97,7 @@ def _budget(d: Any, where: str) -> Budget:
 def _positive(value: Any, where: str, most: float = math.inf) -> Decimal:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if not 0 < value <= most or not math.isfinite(value):  # also NaN
+    if not 0 < value <= most or (isinstance(value, float) and not math.isfinite(value)):
         bound = "" if most == math.inf else f" and at most {most:g}"
         raise ConfigError(f"{where}: must be positive and finite{bound}, got {value!r}")
     return Decimal(str(value))

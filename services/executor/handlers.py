@@ -51,7 +51,13 @@ from services.executor.backend import (
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
 from services.executor.running import RunningJobs
-from services.executor.runs import ended_by_itself, fleet_s, preempted, reported_end
+from services.executor.runs import (
+    ended_by_itself,
+    fleet_s,
+    preempted,
+    reported_end,
+    run_seconds,
+)
 from services.executor.simulated import RunEnd
 from services.executor.store import Checkpoint, ExecutorStore, RunKey, RunningJob, utcnow
 
@@ -480,7 +486,7 @@ class Executor:
             reason_code=reason,
             message=message,
             cluster=self.cluster,
-            ran_s=round(fleet_s(job.started_at, utcnow(), self.time_scale), 3),
+            ran_s=run_seconds(job.started_at, utcnow(), self.time_scale),
         )
         return self._emit(topics.JOB_FINISHED, "JobFinished", done, job.tenant, env)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from schemas import topics
+from schemas.bounds import MAX_RUN_S
 from schemas.events import (
     JobFinished,
     JobPreempted,
@@ -30,10 +31,17 @@ def fleet_s(since: datetime, until: datetime, time_scale: float) -> float:
     return (until - since).total_seconds() * time_scale
 
 
+def run_seconds(since: datetime, until: datetime, time_scale: float) -> float:
+    """A run's fleet seconds as its end event reports them: never negative (a clock stepped
+    back), never past what the wire takes (MAX_RUN_S: a served model running for months at a
+    dev time scale), so that building the event cannot fail."""
+    return round(min(max(fleet_s(since, until, time_scale), 0.0), MAX_RUN_S), 3)
+
+
 def work_split(job: RunningJob, now: datetime, time_scale: float) -> tuple[float, float, float]:
     """(ran, kept, lost) fleet seconds of a run stopped at `now`: what its completed
     checkpoints (periodic, or the one it was signalled to take) saved, and what is to redo."""
-    ran = max(fleet_s(job.started_at, now, time_scale), 0.0)
+    ran = min(max(fleet_s(job.started_at, now, time_scale), 0.0), MAX_RUN_S)
     requested = None
     if job.checkpoint is not None:
         c = job.checkpoint
@@ -77,7 +85,7 @@ def preempted(
 def ended_by_itself(job: RunningJob, cluster: str, time_scale: float) -> JobFinished | RunFailed:
     """The event for a run that reached its own end: a job failure is a (retryable) run
     failure; success and running out of max runtime end the job."""
-    ran = round(fleet_s(job.started_at, job.ends_at, time_scale), 3)
+    ran = run_seconds(job.started_at, job.ends_at, time_scale)
     if job.end is RunEnd.RUN_FAILED:
         return RunFailed(
             job_id=job.job_id,
@@ -161,7 +169,7 @@ def reported_end(
     """A run that never started is refused back to the scheduler; one whose workload vanished
     is handed back; a job failure is a (retryable) run failure, unless it is final (its max
     runtime ran out, or its pod is invalid); success ends the job."""
-    ran = round(fleet_s(job.started_at, now, time_scale), 3) if job.started else 0.0
+    ran = run_seconds(job.started_at, now, time_scale) if job.started else 0.0
     if r.kind is ReportKind.REFUSED:
         refusal = PlacementRefused(
             job_id=job.job_id,

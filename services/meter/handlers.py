@@ -43,8 +43,10 @@ from services.meter.ticks import Grid, Tick
 log = structlog.get_logger()
 CLOSE = TickKind.CLOSE
 # How far a producer's clock may run ahead of the meter's: a run's reported end is believed up
-# to now plus this (wall time), and cut there beyond it (runs.advance).
-CLOCK_SKEW = timedelta(minutes=5)
+# to now plus this (wall time), and cut there beyond it (runs.advance). Generous, since a run's
+# start comes from the executor's clock and an honest run is cut only past it; it bounds what
+# closing one run can cost to this much of fleet time's intervals.
+CLOCK_SKEW = timedelta(hours=1)
 
 
 class MeterMetrics:

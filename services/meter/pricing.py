@@ -11,7 +11,7 @@ restarted meter prices placements as before without waiting for the next invento
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +22,7 @@ from schemas.events import ClusterCapacity, ReplicaAssignment
 from services.meter.ticks import Share, micros
 
 DEFAULT_TIER = "on_demand"
+MAX_DEPARTED = 100_000
 PriceKey = tuple[str, str, str]  # cluster, accelerator type, tier
 
 
@@ -81,6 +82,11 @@ class PriceBook:
     fallback: dict[tuple[str, str], int] = field(default_factory=dict)
     # Each cluster's newest inventory, replaced whole by the next one.
     announced: dict[str, Announced] = field(default_factory=dict)
+    # The last tier of nodes the newest inventories no longer list, newest last, at most
+    # MAX_DEPARTED: a placement read after the inventory that dropped its node (the topics
+    # are read in no common order, and a backlog can put an inventory first) keeps the
+    # node's tier, and the book still does not grow with the fleet's history.
+    departed: OrderedDict[str, str] = field(default_factory=OrderedDict)
     unpriced: set[PriceKey] = field(default_factory=set)
 
     def tier(self, cluster: str, node_id: str) -> str:
@@ -88,6 +94,8 @@ class PriceBook:
         if tier is None:
             known = self.announced.get(cluster)
             tier = known.tiers.get(node_id) if known is not None else None
+        if tier is None:
+            tier = self.departed.get(node_id)
         return DEFAULT_TIER if tier is None else tier
 
     def price(self, cluster: str, accelerator_type: str, tier: str) -> int:
@@ -117,7 +125,18 @@ class PriceBook:
     def learn(self, capacity: ClusterCapacity) -> list[Pool]:
         """Take in an executor's inventory, in place of the cluster's last one; return the
         cluster's pools."""
-        self.announced[capacity.cluster] = Announced.of(capacity)
+        now = Announced.of(capacity)
+        before = self.announced.get(capacity.cluster)
+        self.announced[capacity.cluster] = now
+        for node_id in now.tiers:
+            self.departed.pop(node_id, None)
+        if before is not None:
+            for node_id, tier in before.tiers.items():
+                if node_id not in now.tiers:
+                    self.departed[node_id] = tier
+                    self.departed.move_to_end(node_id)
+            while len(self.departed) > MAX_DEPARTED:
+                self.departed.popitem(last=False)
         totals: dict[tuple[str, str], int] = defaultdict(int)
         for node in capacity.nodes:
             tier = self.tier(capacity.cluster, node.node_id)

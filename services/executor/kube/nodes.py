@@ -10,9 +10,13 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+import structlog
+
 from core.model import AcceleratorModel, ClusterId, Node, NodeId, PriceTier
 from schemas.bounds import MAX_NODE_DEVICES
 from services.executor.kube.pods import HOSTNAME_LABEL
+
+log = structlog.get_logger()
 
 Obj = dict[str, Any]
 
@@ -110,7 +114,14 @@ def node_view(
     # A device plugin gone wrong can report any count; a node has at most MAX_NODE_DEVICES
     # (the inventory on the wire refuses more, and the executor's device books are sized by
     # it): such a node is not offered at all, rather than stopping the cluster's inventory.
-    if acc_type and devices <= MAX_NODE_DEVICES:
+    if acc_type and devices > MAX_NODE_DEVICES:
+        log.warning(
+            "node reports more devices than a node can have; left out of the inventory",
+            node=name,
+            devices=devices,
+            most=MAX_NODE_DEVICES,
+        )
+    elif acc_type:
         model = types.get(acc_type) or AcceleratorModel(acc_type, acc_type, 0.0)
         try:
             tier = PriceTier(own.get(labels.price_tier, PriceTier.ON_DEMAND.value))

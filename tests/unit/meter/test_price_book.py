@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas.events import ClusterCapacity, NodeInfo, ReplicaAssignment
-from services.meter.pricing import DEFAULT_TIER, Announced, PriceBook
+from services.meter.pricing import DEFAULT_TIER, MAX_DEPARTED, Announced, PriceBook
 from services.meter.ticks import micros
 
 
@@ -49,12 +49,13 @@ def test_a_node_is_billed_at_the_tier_of_its_clusters_newest_inventory() -> None
     assert [(p.price_tier, p.accelerators) for p in pools] == [("on_demand", 8)]
 
 
-def test_a_node_no_inventory_lists_is_forgotten() -> None:
+def test_a_node_no_inventory_lists_leaves_the_clusters_tiers() -> None:
     book = PriceBook()
     book.learn(inventory("cloud", *(node(f"s-{i}", "spot") for i in range(100))))
     book.learn(inventory("cloud", node("s-100", "spot")))  # an elastic pool replaced its nodes
     assert dict(book.announced["cloud"].tiers) == {"s-100": "spot"}  # bounded by the fleet
-    assert tiers_billed(book, "cloud", "s-0")[0][0] == DEFAULT_TIER
+    assert len(book.departed) == 100  # their last tiers, bounded by MAX_DEPARTED
+    assert tiers_billed(book, "elsewhere", "never-listed")[0][0] == DEFAULT_TIER
 
 
 def test_a_node_that_moved_is_priced_by_its_new_cluster() -> None:
@@ -95,3 +96,22 @@ def test_what_a_cluster_announced_reads_back_as_it_was_kept(
 ) -> None:
     kept = Announced(prices, tiers)
     assert Announced.from_json(kept.to_json()) == kept
+
+
+def test_a_departed_nodes_tier_holds_for_a_placement_read_after_the_inventory() -> None:
+    """An inventory read ahead of a placement on a node it no longer lists (a backlog reads
+    topics in no common order): the node keeps its last tier. The memory of departed nodes
+    is bounded, oldest forgotten first."""
+    book = PriceBook()
+    book.learn(inventory("cloud", node("gone", "spot"), node("stays", "spot")))
+    book.learn(inventory("cloud", node("stays", "spot")))
+    assert tiers_billed(book, "cloud", "gone")[0][0] == "spot"
+    book.learn(inventory("cloud", node("gone", "reserved"), node("stays", "spot")))
+    assert "gone" not in book.departed  # listed again: its new tier is the cluster's
+    assert tiers_billed(book, "cloud", "gone")[0][0] == "reserved"
+
+    many = PriceBook()
+    many.learn(inventory("cloud", *(node(f"n{i}", "spot") for i in range(MAX_DEPARTED + 5))))
+    many.learn(inventory("cloud"))
+    assert len(many.departed) == MAX_DEPARTED
+    assert "n0" not in many.departed and f"n{MAX_DEPARTED + 4}" in many.departed
