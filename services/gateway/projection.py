@@ -130,16 +130,30 @@ class JobView:
     # The newest placement decided for it (attempt `placement.attempt`); it holds devices while
     # the job is in a HOLDING state of that same attempt.
     placement: Placement | None = None
-    # Whether `spec` was read from the stored row: a stored spec is never rewritten (the upsert
-    # keeps the row's own), so the projection need not send it back with every event.
+    # Whether its row holds a spec: a stored spec is never rewritten (the upsert keeps the
+    # row's own), so the projection need not send it back with every event, nor read it back
+    # whole (`spec` is then None): what it needs of it comes with the row, the type the job asks
+    # for (`wanted`) and the host memory per replica its first run asked for.
     spec_stored: bool = field(default=False, compare=False)
+    wanted: str | None = field(default=None, compare=False)
+    first_memory_gb: float | None = field(default=None, compare=False)
+
+    @property
+    def asked_type(self) -> str | None:
+        """The accelerator type the job asks for (`wanted_type`); None while no spec is known."""
+        return wanted_type(self.spec) if self.spec is not None else self.wanted
+
+    @property
+    def asked_memory_gb(self) -> float | None:
+        """The host memory per replica the job's first run asked for, if known."""
+        return self.spec.resources.memory_gb if self.spec is not None else self.first_memory_gb
 
     @property
     def accelerator_type(self) -> str | None:
         """The type it holds (or last held, once ended) when placed, else the type it asks for."""
         if self.placement is not None and (self.state in HOLDING or self.state.terminal):
             return self.placement.accelerator_type
-        return wanted_type(self.spec)
+        return self.asked_type
 
     @property
     def held(self) -> Placement | None:
@@ -208,7 +222,8 @@ def _advance(view: JobView, state: JobState, at: datetime, **changes: Any) -> Jo
 def _fold(view: JobView | None, env: Envelope, p: Any, at: datetime) -> JobView | None:
     if isinstance(p, JobQueued):
         base = view or JobView(p.job_id, p.spec.tenant, JobState.SUBMITTED, p.submitted_at, at)
-        base = evolve(base, spec=base.spec or p.spec)
+        if base.spec is None and not base.spec_stored:
+            base = evolve(base, spec=p.spec)  # the first spec heard is the one kept
         requeued = p.requeue_of_attempt is not None and p.requeue_of_attempt >= base.attempt
         if requeued and not base.state.terminal:
             # The platform ended the run: the one step back a job takes.
@@ -330,9 +345,9 @@ def _requeued(p: JobQueued, view: JobView | None) -> str:
     words = [f"requeued after attempt {p.requeue_of_attempt}"]
     if p.excluded_nodes:
         words.append(f"avoiding {', '.join(p.excluded_nodes)}")
-    first = view.spec if view is not None else None
+    first = view.asked_memory_gb if view is not None else None
     memory = p.spec.resources.memory_gb
-    if first is not None and first.resources.memory_gb != memory:
+    if first is not None and first != memory:
         words.append(f"with {memory:g} GB memory per replica")  # grown after out of memory
     if p.not_before is not None:
         words.append(f"not placed before {p.not_before.isoformat(timespec='seconds')}")

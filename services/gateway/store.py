@@ -23,9 +23,15 @@ log = structlog.get_logger()
 SCHEMA = "gateway"
 MIGRATIONS = Path(__file__).parent / "migrations"
 
+# A stored spec is not read back whole (parsing it was most of what reading a view cost): only
+# what the projection needs of it, the type the job asks for (its own column) and the memory its
+# first run asked for. A row from before the `wanted_type` column gives its spec instead.
 _COLS = (
-    "job_id, tenant, state, attempt, ended_attempt, reason_code, message, cluster, nodes, spec, "
-    "submitted_at, updated_at, placement"
+    "job_id, tenant, state, attempt, ended_attempt, reason_code, message, cluster, nodes, "
+    "submitted_at, updated_at, placement, spec IS NOT NULL AS spec_stored, wanted_type, "
+    "CASE WHEN wanted_type IS NULL THEN spec END AS spec, "
+    "CASE WHEN jsonb_typeof(spec -> 'resources' -> 'memory_gb') = 'number'"
+    " THEN (spec -> 'resources' ->> 'memory_gb')::float8 END AS memory_gb"
 )
 
 
@@ -34,7 +40,8 @@ async def migrate_gateway(pool: asyncpg.Pool) -> None:
 
 
 def _view(row: asyncpg.Record) -> JobView:
-    # The gateway wrote this spec after validating it: pydantic parses the stored text itself.
+    # Only a row from before `wanted_type` gives its spec (see _COLS). The gateway wrote it
+    # after validating it: pydantic parses the stored text itself.
     spec = JobSpec.model_validate_json(row["spec"]) if row["spec"] else None
     return JobView(
         job_id=row["job_id"],
@@ -50,7 +57,9 @@ def _view(row: asyncpg.Record) -> JobView:
         cluster=row["cluster"],
         nodes=tuple(row["nodes"] or ()),
         placement=Placement.from_json(json.loads(row["placement"])) if row["placement"] else None,
-        spec_stored=spec is not None,
+        spec_stored=row["spec_stored"],
+        wanted=row["wanted_type"],
+        first_memory_gb=row["memory_gb"],
     )
 
 
@@ -180,24 +189,25 @@ async def upsert_views(conn: asyncpg.Connection, views: Sequence[JobView]) -> No
     await conn.execute(
         'INSERT INTO gateway.jobs (job_id, tenant, project, "user", queue, name, state, attempt,'
         " reason_code, message, cluster, nodes, replicas, accelerators, idempotency_key, spec,"
-        " submitted_at, updated_at, ended_attempt, placement, accelerator_type)"
+        " submitted_at, updated_at, ended_attempt, placement, accelerator_type, wanted_type)"
         " SELECT u.job_id, u.tenant, u.project, u.usr, u.queue, u.name, u.state, u.attempt,"
         " u.reason_code, u.message, u.cluster, ARRAY(SELECT jsonb_array_elements_text(u.nodes)),"
         " u.replicas, u.accelerators, u.idempotency_key, u.spec, u.submitted_at,"
-        " u.updated_at, u.ended_attempt, u.placement, u.accelerator_type"
+        " u.updated_at, u.ended_attempt, u.placement, u.accelerator_type, u.wanted_type"
         " FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],"
         " $7::text[], $8::int[], $9::text[], $10::text[], $11::text[], $12::jsonb[], $13::int[],"
         " $14::float8[], $15::text[], $16::jsonb[], $17::timestamptz[], $18::timestamptz[],"
-        " $19::int[], $20::jsonb[], $21::text[]) AS u(job_id, tenant, project, usr, queue, name,"
-        " state, attempt, reason_code, message, cluster, nodes, replicas, accelerators,"
-        " idempotency_key, spec, submitted_at, updated_at, ended_attempt, placement,"
-        " accelerator_type)"
+        " $19::int[], $20::jsonb[], $21::text[], $22::text[]) AS u(job_id, tenant, project, usr,"
+        " queue, name, state, attempt, reason_code, message, cluster, nodes, replicas,"
+        " accelerators, idempotency_key, spec, submitted_at, updated_at, ended_attempt,"
+        " placement, accelerator_type, wanted_type)"
         " ON CONFLICT (job_id) DO UPDATE SET"
         " state = EXCLUDED.state, attempt = EXCLUDED.attempt,"
         " placement = EXCLUDED.placement, accelerator_type = EXCLUDED.accelerator_type,"
         " ended_attempt = EXCLUDED.ended_attempt, reason_code = EXCLUDED.reason_code,"
         " message = EXCLUDED.message, cluster = EXCLUDED.cluster, nodes = EXCLUDED.nodes,"
         " spec = COALESCE(gateway.jobs.spec, EXCLUDED.spec),"
+        " wanted_type = COALESCE(gateway.jobs.wanted_type, EXCLUDED.wanted_type),"
         " project = COALESCE(gateway.jobs.project, EXCLUDED.project),"
         ' "user" = COALESCE(gateway.jobs."user", EXCLUDED."user"),'
         " queue = COALESCE(gateway.jobs.queue, EXCLUDED.queue),"
@@ -234,6 +244,7 @@ def _row(v: JobView) -> tuple[Any, ...]:
         v.ended_attempt,
         json.dumps(v.placement.as_json()) if v.placement is not None else None,
         v.accelerator_type,
+        v.asked_type,
     )
 
 
