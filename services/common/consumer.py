@@ -387,20 +387,24 @@ class Consumers:
         self.probe: Probe | None = None
         # Where dead letters and alerts go; the real broker unless a test swaps it.
         self.publish: Callable[[Sequence[OutMessage]], Awaitable[Any]] = self._publish
-        self._subscribers: list[tuple[Any, str]] = []  # (FastStream subscriber, group)
+        # (FastStream subscriber, group, its pacer)
+        self._subscribers: list[tuple[Any, str, FetchPacer]] = []
 
     async def _publish(self, messages: Sequence[OutMessage]) -> Any:
         return await publish_all(self.broker, messages)
 
     async def start(self) -> None:
         """Start the broker, and so every subscription; each group's requests to the broker are
-        counted from now (`count_requests`), a group that never gets a record included. A
-        consumer FastStream makes anew later is counted from its first batch."""
+        counted, and its fetches paced, from now (`count_requests`, `FetchPacer`), a group that
+        never gets a record included. A consumer FastStream makes anew later is counted and
+        paced from its first batch."""
         await self.broker.start()
-        for subscriber, group_id in self._subscribers:
+        for subscriber, group_id, pacer in self._subscribers:
             consumer = getattr(subscriber, "consumer", None)
             if consumer is not None:
                 count_requests(consumer, self.metrics.requests, group_id)
+                if not pacer.attached:  # (a first batch may have come already)
+                    pacer.attach(consumer)
 
     def subscribe(
         self,
@@ -437,7 +441,7 @@ class Consumers:
             parser=_tolerate_headers,
             decoder=_leave_undecoded,
         )
-        self._subscribers.append((subscriber, group_id))
+        self._subscribers.append((subscriber, group_id, pacer))
         group = Group(self, group_id, handle, give_up)
         lag = LagBook(self.metrics.lag, group_id)
         requests = self.metrics.requests
@@ -474,6 +478,7 @@ class Consumers:
             factor=settings.fetch_idle_factor,
             max_ms=settings.fetch_idle_max_ms,
             quiet_s=settings.fetch_idle_after_s,
+            at_client=settings.fetch_wait_at == "client",
         )
 
     def group(self, group_id: str, handle: BatchHandler, give_up: GiveUp | None = None) -> Group:

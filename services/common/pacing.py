@@ -9,15 +9,28 @@ do. A pacer lengthens the fetch wait of a consumer that has seen no record for `
 `idle_wait(busy, factor, max)` and restores the short one with the first record it sees: the
 first record after a quiet spell waits up to the long wait, the ones after it do not.
 
-Only the broker's fetch wait is paced. A FastStream batch subscriber's own loop (`getmany`
-for `batch_timeout_ms`, then as long a sleep when it got nothing) keeps the busy period: that
-loop costs the service little, and a long sleep there would delay the first record again.
+Only the fetches are paced. A FastStream batch subscriber's own loop (`getmany` for
+`batch_timeout_ms`, then as long a sleep when it got nothing) keeps the busy period: that loop
+costs the service little, and a long sleep there would delay the first record again.
+
+Where the wait is spent (`at_client`, QM_FETCH_WAIT_AT): a broker that holds a fetch until
+data comes (Kafka) should hold it, since it answers the moment a record arrives. Tansu answers
+only at the deadline, and holding a fetch costs it CPU for as long as it holds it: about 2.9 ms
+of CPU for a fetch held 500 ms, 1.5 ms for 10 ms, 0.8 ms for 1 ms (docs/performance.md, "The
+fetch wait at the client"). With `at_client` every fetch asks the broker to hold it
+`CLIENT_HOLD_MS` (1 ms: Tansu answers a fetch that may not wait at all with nothing, even when
+it has records), and a fetch that brought nothing is followed by the wait at the client:
+records are seen just as late as a held fetch would show them, and the broker does nothing
+meanwhile. A shorter wait (records, a wake) ends a wait under way.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+# What a fetch asks the broker to hold it when the wait is spent at the client (see above).
+CLIENT_HOLD_MS = 1
 
 
 def idle_wait(busy_ms: int, factor: int, max_ms: int) -> int:
@@ -32,16 +45,25 @@ class FetchPacer:
     batch; the consumer is learnt from `attach` or from the batches (the latest one wins: a
     client may be made anew)."""
 
-    def __init__(self, busy_ms: int, *, factor: int, max_ms: int, quiet_s: float) -> None:
+    def __init__(
+        self, busy_ms: int, *, factor: int, max_ms: int, quiet_s: float, at_client: bool = False
+    ) -> None:
         self.factor = factor
         self.max_ms = max_ms
         self.quiet_s = quiet_s
         self.busy_ms = busy_ms
         self.idle_ms = idle_wait(busy_ms, factor, max_ms)
         self.quiet = True
+        self.at_client = at_client
         self._consumer: Any = None
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._resting: set[asyncio.Future[None]] = set()  # waits at the client under way
+
+    @property
+    def attached(self) -> bool:
+        """Whether it paces a consumer yet."""
+        return self._consumer is not None
 
     @property
     def wait_ms(self) -> int:
@@ -60,11 +82,13 @@ class FetchPacer:
 
     def set_busy_ms(self, busy_ms: int, *, wake: bool = False) -> None:
         """A new busy wait (a scheduler replica taking or leaving the lead); with `wake`, busy
-        from now on as if records had come (a new leader reads to the end at once)."""
+        from now on as if records had come (a new leader reads to the end at once), and a
+        wait at the client under way ends now."""
         self.busy_ms = busy_ms
         self.idle_ms = idle_wait(busy_ms, self.factor, self.max_ms)
         if wake:
             self.saw_records()
+            self._wake_resting()
         else:
             self._arm()
         self._apply()
@@ -77,12 +101,30 @@ class FetchPacer:
         if self.quiet:
             self.quiet = False
             self._apply()
+            self._wake_resting()
         self._arm()
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._wake_resting()
+
+    async def rest(self) -> None:
+        """Wait at the client for the current wait, or until a shorter one applies."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._resting.add(done)
+        timer = loop.call_later(self.wait_ms / 1000, _finish, done)
+        try:
+            await done
+        finally:
+            timer.cancel()
+            self._resting.discard(done)
+
+    def _wake_resting(self) -> None:
+        for done in list(self._resting):
+            _finish(done)
 
     def _arm(self) -> None:
         """A busy consumer always has a timer to make it quiet (when there is a slower wait
@@ -105,5 +147,42 @@ class FetchPacer:
     def _apply(self) -> None:
         # aiokafka reads the wait for every fetch it sends and has no public setter.
         fetcher = getattr(self._consumer, "_fetcher", None)
-        if fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
+        if fetcher is None or not hasattr(fetcher, "_fetch_max_wait_ms"):
+            return
+        if self.at_client and wait_at_client(fetcher, self):
+            fetcher._fetch_max_wait_ms = CLIENT_HOLD_MS
+        else:
             fetcher._fetch_max_wait_ms = self.wait_ms
+
+
+def _finish(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+def wait_at_client(fetcher: Any, pacer: FetchPacer) -> bool:
+    """Make aiokafka's `fetcher` wait at the client, `pacer`'s wait, after each fetch that
+    brought nothing (once per fetcher; a later pacer takes over). Returns False, leaving it
+    as it is, when the fetcher is not one this knows.
+
+    aiokafka's fetcher sends one fetch per broker and the next only when the last one's
+    `_proc_fetch_request` has returned, which says whether it brought records (or an error
+    to hand over); so resting before it returns holds back that broker's next fetch. A fetch
+    for an assignment that changed meanwhile does not rest (its partitions are fetched anew
+    at once, as before)."""
+    fetch = getattr(fetcher, "_proc_fetch_request", None)
+    if fetch is None:
+        return False
+    if getattr(fetcher, "_qm_rests_with", None) is not None:
+        fetcher._qm_rests_with = pacer
+        return True
+    fetcher._qm_rests_with = pacer
+
+    async def fetch_then_rest(assignment: Any, node_id: Any, request: Any) -> Any:
+        got = await fetch(assignment, node_id, request)
+        if not got and getattr(assignment, "active", False):
+            await fetcher._qm_rests_with.rest()
+        return got
+
+    fetcher._proc_fetch_request = fetch_then_rest
+    return True

@@ -62,6 +62,7 @@ def create_app(settings: SchedulerSettings | None = None) -> FastAPI:
         idle_factor=settings.fetch_idle_factor,
         idle_max_ms=settings.fetch_idle_max_ms,
         quiet_s=settings.fetch_idle_after_s,
+        wait_at_client=settings.fetch_wait_at == "client",
     )
     working = WorkingSet(verify_every=settings.working_set_check_every)
     cycle = Cycle(

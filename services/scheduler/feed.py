@@ -61,6 +61,7 @@ class Feed:
         idle_factor: int = 1,
         idle_max_ms: int = 500,
         quiet_s: float = 5.0,
+        wait_at_client: bool = False,
     ) -> None:
         self._apply = apply
         self._metrics = metrics
@@ -77,7 +78,9 @@ class Feed:
         self._consumers: list[Any] = []
         # Each consumer polls slowly once its topics are quiet (common/pacing.py).
         self._pacers = [
-            FetchPacer(w, factor=idle_factor, max_ms=idle_max_ms, quiet_s=quiet_s)
+            FetchPacer(
+                w, factor=idle_factor, max_ms=idle_max_ms, quiet_s=quiet_s, at_client=wait_at_client
+            )
             for w in self._waits
         ]
         # Seconds each consumer's batches are spaced while records flow (set_linger).

@@ -13,6 +13,7 @@ import pytest
 
 from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
+from services.common.pacing import CLIENT_HOLD_MS
 from services.common.settings import ServiceSettings
 from services.scheduler.feed import Feed
 from tests.integration.kafka_tools import (
@@ -132,3 +133,48 @@ async def test_the_scheduler_feed_waits_for_a_topic_made_after_it_started(
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         await feed.stop()
+
+
+async def test_waiting_at_the_client_asks_the_broker_not_to_wait_and_still_polls_at_its_pace(
+    topics_ready: str,
+) -> None:
+    """QM_FETCH_WAIT_AT=client: every fetch asks the broker to hold it a millisecond, and a
+    fetch that found nothing is followed by the pacer's wait at the client: a quiet consumer
+    sends about one fetch per idle wait, not one after another. Records are read as before."""
+    topic = await fresh_topic(topics_ready, "pacing-client")
+    settings = ServiceSettings(
+        kafka_bootstrap=topics_ready,
+        fetch_max_wait_ms=20,
+        fetch_idle_factor=10,
+        fetch_idle_max_ms=200,
+        fetch_idle_after_s=0.5,
+        fetch_wait_at="client",
+    )
+    broker = make_broker(settings, "pacing-client-test")
+    consumers = Consumers(broker, settings, service="pacing-client-test")
+    seen: list[bytes] = []
+
+    async def handle(records: Records) -> None:
+        seen.extend(r.value for r in records)
+
+    group = f"{topic}-g"
+    consumers.subscribe(topic, group_id=group, handle=handle)
+    await consumers.start()
+    try:
+        sub = broker.subscribers[-1]
+        fetcher = sub.consumer._fetcher
+        assert fetcher._fetch_max_wait_ms == CLIENT_HOLD_MS
+        fetches = consumers.metrics.requests.labels(group, "Fetch")
+        await eventually(lambda: fetches._value.get() > 0)
+        before = fetches._value.get()
+        await asyncio.sleep(2.0)
+        polled = fetches._value.get() - before
+        # Quiet, a fetch every 200 ms at most: about ten in two seconds. Fetches sent one
+        # after another (a broker that does not wait, and no wait at the client) would be
+        # hundreds or more.
+        assert 1 <= polled <= 30, polled
+        await produce(topics_ready, topic, [("k", b"first"), ("k", b"second")])
+        await eventually(lambda: seen == [b"first", b"second"])
+        assert fetcher._fetch_max_wait_ms == CLIENT_HOLD_MS
+    finally:
+        await broker.stop()

@@ -104,6 +104,7 @@ def create_app(settings: EdgeSettings | None = None) -> FastAPI:
             factor=settings.fetch_idle_factor,
             max_ms=settings.fetch_idle_max_ms,
             quiet_s=settings.fetch_idle_after_s,
+            at_client=settings.fetch_wait_at == "client",
         )
         pacer.attach(consumer, quiet=False)
         try:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.pacing import FetchPacer, idle_wait
+from services.common.pacing import CLIENT_HOLD_MS, FetchPacer, idle_wait
 
 
 def fake_consumer(wait_ms: int = 0) -> SimpleNamespace:
@@ -145,4 +145,79 @@ async def test_objects_without_the_knobs_are_left_alone() -> None:
     pacer.attach(object())
     pacer.saw_records()
     assert pacer.wait_ms == 10
+    pacer.close()
+
+
+class FakeFetcher:
+    """aiokafka's fetcher as the wait at the client sees it: a wait it sends, and one fetch
+    per call that brings records or not."""
+
+    def __init__(self, brings: bool = False) -> None:
+        self._fetch_max_wait_ms = 500
+        self.brings = brings
+        self.fetches = 0
+
+    async def _proc_fetch_request(self, assignment: object, node_id: int, request: object) -> bool:
+        self.fetches += 1
+        return self.brings
+
+
+ACTIVE = SimpleNamespace(active=True)
+
+
+async def test_at_the_client_the_broker_holds_a_fetch_1_ms_and_an_empty_fetch_rests() -> None:
+    fetcher = FakeFetcher()
+    # Quiet: a wait far longer than the test.
+    pacer = FetchPacer(10, factor=6000, max_ms=60_000, quiet_s=3600, at_client=True)
+    pacer.attach(SimpleNamespace(_fetcher=fetcher))
+    assert fetcher._fetch_max_wait_ms == CLIENT_HOLD_MS
+    fetch = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
+    await asyncio.sleep(0.05)
+    assert fetcher.fetches == 1 and not fetch.done()  # it brought nothing: it rests
+    pacer.saw_records()  # records (here from elsewhere): the shorter wait ends the rest
+    assert await asyncio.wait_for(fetch, 5) is False
+    assert fetcher._fetch_max_wait_ms == CLIENT_HOLD_MS  # busy, and still not held at the broker
+    pacer.close()
+
+
+async def test_a_fetch_that_brings_records_or_whose_assignment_ended_does_not_rest() -> None:
+    fetcher = FakeFetcher(brings=True)
+    pacer = FetchPacer(60_000, factor=1, max_ms=60_000, quiet_s=3600, at_client=True)
+    pacer.attach(SimpleNamespace(_fetcher=fetcher))
+    assert await asyncio.wait_for(fetcher._proc_fetch_request(ACTIVE, 0, None), 5) is True
+    fetcher.brings = False
+    ended = SimpleNamespace(active=False)
+    assert await asyncio.wait_for(fetcher._proc_fetch_request(ended, 0, None), 5) is False
+    pacer.close()
+
+
+async def test_a_wake_or_close_ends_a_rest_and_a_later_pacer_takes_the_fetcher_over() -> None:
+    fetcher = FakeFetcher()
+    first = FetchPacer(60_000, factor=1, max_ms=60_000, quiet_s=3600, at_client=True)
+    first.attach(SimpleNamespace(_fetcher=fetcher))
+    wrapped = fetcher._proc_fetch_request
+    fetch = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
+    await asyncio.sleep(0.05)
+    assert not fetch.done()
+    first.set_busy_ms(10, wake=True)  # a scheduler replica taking the lead
+    assert await asyncio.wait_for(fetch, 5) is False
+    # Another pacer (a client made anew is paced by the latest): wrapped once, its waits.
+    second = FetchPacer(60_000, factor=1, max_ms=60_000, quiet_s=3600, at_client=True)
+    second.attach(SimpleNamespace(_fetcher=fetcher))
+    assert fetcher._proc_fetch_request is wrapped
+    fetch = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
+    await asyncio.sleep(0.05)
+    assert not fetch.done()
+    second.close()  # shutting down: nothing waits on
+    assert await asyncio.wait_for(fetch, 5) is False
+    first.close()
+
+
+async def test_at_the_broker_the_fetcher_is_left_as_it_is() -> None:
+    fetcher = FakeFetcher()
+    original = fetcher._proc_fetch_request
+    pacer = FetchPacer(10, factor=5, max_ms=500, quiet_s=3600)
+    pacer.attach(SimpleNamespace(_fetcher=fetcher))
+    assert fetcher._fetch_max_wait_ms == 50
+    assert fetcher._proc_fetch_request == original
     pacer.close()
