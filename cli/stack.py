@@ -292,13 +292,6 @@ class Stack:
                 **stack.server_env(),
                 **{k: str(v.resolve()) for k, v in files.items()},
                 "QM_TIME_SCALE": str(time_scale),
-                # Our own broker is Tansu, which spends CPU holding a fetch: wait at the client
-                # (services/common/pacing.py), unless the environment says otherwise.
-                **(
-                    {"QM_FETCH_WAIT_AT": environ.get("QM_FETCH_WAIT_AT", "client")}
-                    if stack.server("kafka").owned
-                    else {}
-                ),
                 "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(
                     p for p in (str(PROJECT_ROOT), environ.get("PYTHONPATH", "")) if p

@@ -2,7 +2,8 @@
 wait on its aiokafka fetcher), is busy (its short wait) when it handles a record, and quiet
 again once none came for `fetch_idle_after_s`, while FastStream's own loop keeps the short
 period throughout; the scheduler feed's consumers too, and a replica taking the lead is busy
-at once."""
+at once. The waits held at the broker (QM_FETCH_WAIT_AT=broker) are checked on the fetcher;
+spent at the client (the default), on the broker's requests."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ async def test_a_service_consumer_polls_fast_only_while_records_come(topics_read
         fetch_idle_factor=10,
         fetch_idle_max_ms=300,
         fetch_idle_after_s=0.5,
+        fetch_wait_at="broker",
     )
     broker = make_broker(settings, "pacing-test")
     consumers = Consumers(broker, settings, service="pacing-test")
