@@ -13,24 +13,23 @@ Only the fetches are paced. A FastStream batch subscriber's own loop (`getmany` 
 `batch_timeout_ms`, then as long a sleep when it got nothing) keeps the busy period: that loop
 costs the service little, and a long sleep there would delay the first record again.
 
-Where the wait is spent (`at_client`, QM_FETCH_WAIT_AT): a broker that holds a fetch until
-data comes (Kafka) should hold it, since it answers the moment a record arrives. Tansu answers
-only at the deadline, and holding a fetch costs it CPU for as long as it holds it: about 2.9 ms
-of CPU for a fetch held 500 ms, 1.5 ms for 10 ms, 0.8 ms for 1 ms (docs/performance.md, "The
-fetch wait at the client"). With `at_client` every fetch asks the broker to hold it
-`CLIENT_HOLD_MS` (1 ms: Tansu answers a fetch that may not wait at all with nothing, even when
-it has records), and a fetch that brought nothing is followed by the wait at the client:
-records are seen just as late as a held fetch would show them, and the broker does nothing
-meanwhile. A shorter wait (records, a wake) ends a wait under way.
+Where a quiet consumer's long wait is spent (`at_client`, QM_FETCH_WAIT_AT): a broker that
+holds a fetch until data comes (Kafka) should hold it, since it answers the moment a record
+arrives. Tansu answers only at the deadline, and holding a fetch costs it CPU for as long as it
+holds it: about 2.9 ms of CPU for a fetch held 500 ms, 1.5 ms for 10 ms (docs/performance.md,
+"The fetch wait at the client"). With `at_client` every fetch asks the broker to hold it the
+busy wait, as a busy consumer's always is, and a quiet consumer's fetch that brought nothing
+is followed by the rest of the long wait in the client: records are seen just as late as a
+fetch held the whole wait would show them, and the broker does nothing meanwhile. Records or a
+wake end a wait under way. (Holding every fetch 1 ms and waiting the rest in the client cut
+an idle broker's CPU further, but under load the stack placed less than half of what it was
+offered: see the performance notes.)
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
-
-# What a fetch asks the broker to hold it when the wait is spent at the client (see above).
-CLIENT_HOLD_MS = 1
 
 
 def idle_wait(busy_ms: int, factor: int, max_ms: int) -> int:
@@ -111,11 +110,15 @@ class FetchPacer:
         self._wake_resting()
 
     async def rest(self) -> None:
-        """Wait at the client for the current wait, or until a shorter one applies."""
+        """Wait at the client for what the current wait adds to the broker's hold (the busy
+        wait), or until a shorter one applies."""
+        left = self.wait_ms - self.busy_ms
+        if left <= 0:
+            return
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._resting.add(done)
-        timer = loop.call_later(self.wait_ms / 1000, _finish, done)
+        timer = loop.call_later(left / 1000, _finish, done)
         try:
             await done
         finally:
@@ -150,7 +153,7 @@ class FetchPacer:
         if fetcher is None or not hasattr(fetcher, "_fetch_max_wait_ms"):
             return
         if self.at_client and wait_at_client(fetcher, self):
-            fetcher._fetch_max_wait_ms = CLIENT_HOLD_MS
+            fetcher._fetch_max_wait_ms = self.busy_ms
         else:
             fetcher._fetch_max_wait_ms = self.wait_ms
 
@@ -161,9 +164,9 @@ def _finish(done: asyncio.Future[None]) -> None:
 
 
 def wait_at_client(fetcher: Any, pacer: FetchPacer) -> bool:
-    """Make aiokafka's `fetcher` wait at the client, `pacer`'s wait, after each fetch that
-    brought nothing (once per fetcher; a later pacer takes over). Returns False, leaving it
-    as it is, when the fetcher is not one this knows.
+    """Make aiokafka's `fetcher` wait at the client, what `pacer`'s wait adds to the broker's
+    hold, after each fetch that brought nothing (once per fetcher; a later pacer takes over).
+    Returns False, leaving it as it is, when the fetcher is not one this knows.
 
     aiokafka's fetcher sends one fetch per broker and the next only when the last one's
     `_proc_fetch_request` has returned, which says whether it brought records (or an error

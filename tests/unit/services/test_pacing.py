@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.pacing import CLIENT_HOLD_MS, FetchPacer, idle_wait
+from services.common.pacing import FetchPacer, idle_wait
 
 
 def fake_consumer(wait_ms: int = 0) -> SimpleNamespace:
@@ -165,24 +165,30 @@ class FakeFetcher:
 ACTIVE = SimpleNamespace(active=True)
 
 
-async def test_at_the_client_the_broker_holds_a_fetch_1_ms_and_an_empty_fetch_rests() -> None:
+def long_quiet() -> FetchPacer:
+    """Busy every 10 ms; quiet (from the start), every 60 s: far longer than a test."""
+    return FetchPacer(10, factor=6000, max_ms=60_000, quiet_s=3600, at_client=True)
+
+
+async def test_at_the_client_the_broker_holds_the_busy_wait_and_the_rest_is_spent_here() -> None:
     fetcher = FakeFetcher()
-    # Quiet: a wait far longer than the test.
-    pacer = FetchPacer(10, factor=6000, max_ms=60_000, quiet_s=3600, at_client=True)
+    pacer = long_quiet()
     pacer.attach(SimpleNamespace(_fetcher=fetcher))
-    assert fetcher._fetch_max_wait_ms == CLIENT_HOLD_MS
+    assert fetcher._fetch_max_wait_ms == 10  # the busy wait, quiet or not
     fetch = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
     await asyncio.sleep(0.05)
     assert fetcher.fetches == 1 and not fetch.done()  # it brought nothing: it rests
-    pacer.saw_records()  # records (here from elsewhere): the shorter wait ends the rest
+    pacer.saw_records()  # records (here from elsewhere): busy, and the rest ends
     assert await asyncio.wait_for(fetch, 5) is False
-    assert fetcher._fetch_max_wait_ms == CLIENT_HOLD_MS  # busy, and still not held at the broker
+    assert fetcher._fetch_max_wait_ms == 10
+    # Busy, an empty fetch does not rest: the broker held it the whole busy wait.
+    assert await asyncio.wait_for(fetcher._proc_fetch_request(ACTIVE, 0, None), 5) is False
     pacer.close()
 
 
 async def test_a_fetch_that_brings_records_or_whose_assignment_ended_does_not_rest() -> None:
     fetcher = FakeFetcher(brings=True)
-    pacer = FetchPacer(60_000, factor=1, max_ms=60_000, quiet_s=3600, at_client=True)
+    pacer = long_quiet()
     pacer.attach(SimpleNamespace(_fetcher=fetcher))
     assert await asyncio.wait_for(fetcher._proc_fetch_request(ACTIVE, 0, None), 5) is True
     fetcher.brings = False
@@ -193,16 +199,17 @@ async def test_a_fetch_that_brings_records_or_whose_assignment_ended_does_not_re
 
 async def test_a_wake_or_close_ends_a_rest_and_a_later_pacer_takes_the_fetcher_over() -> None:
     fetcher = FakeFetcher()
-    first = FetchPacer(60_000, factor=1, max_ms=60_000, quiet_s=3600, at_client=True)
+    first = long_quiet()
     first.attach(SimpleNamespace(_fetcher=fetcher))
     wrapped = fetcher._proc_fetch_request
     fetch = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
     await asyncio.sleep(0.05)
     assert not fetch.done()
-    first.set_busy_ms(10, wake=True)  # a scheduler replica taking the lead
+    first.set_busy_ms(5, wake=True)  # a scheduler replica taking the lead
     assert await asyncio.wait_for(fetch, 5) is False
+    assert fetcher._fetch_max_wait_ms == 5
     # Another pacer (a client made anew is paced by the latest): wrapped once, its waits.
-    second = FetchPacer(60_000, factor=1, max_ms=60_000, quiet_s=3600, at_client=True)
+    second = long_quiet()
     second.attach(SimpleNamespace(_fetcher=fetcher))
     assert fetcher._proc_fetch_request is wrapped
     fetch = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
