@@ -32,10 +32,11 @@ class ServiceSettings(BaseSettings):
     fetch_idle_factor: int = Field(default=5, ge=1)
     fetch_idle_max_ms: int = Field(default=500, ge=1)
     fetch_idle_after_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
-    # Where a consumer waits when a fetch finds nothing (common/pacing.py): at the client, which
-    # suits Tansu (the broker of the development stack, the tests and the benches: it answers a
-    # held fetch only at the deadline and spends CPU the whole time it holds it), or at the
-    # broker, which suits Kafka (it answers the moment a record comes; deploy/k8s sets it).
+    # Where a quiet consumer spends the part of its long wait beyond the busy one when a fetch
+    # finds nothing (common/pacing.py): at the client, which suits Tansu (the broker of the
+    # development stack, the tests and the benches: it answers a held fetch only at the deadline
+    # and spends CPU the whole time it holds it), or at the broker, which suits Kafka (it
+    # answers the moment a record comes; deploy/k8s sets it).
     fetch_wait_at: Literal["broker", "client"] = "client"
     max_batch_records: int = 500
     # While records flow, a consumer starts its batches at most this often (0: the next as
