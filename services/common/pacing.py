@@ -29,6 +29,7 @@ offered: see the performance notes.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 
@@ -172,7 +173,10 @@ def wait_at_client(fetcher: Any, pacer: FetchPacer) -> bool:
     `_proc_fetch_request` has returned, which says whether it brought records (or an error
     to hand over); so resting before it returns holds back that broker's next fetch. A fetch
     for an assignment that changed meanwhile does not rest (its partitions are fetched anew
-    at once, as before)."""
+    at once, as before), nor one of a fetcher closing. Cancelled while resting (the fetcher
+    closing, or the assignment gone), it returns as aiokafka's own does when cancelled while
+    it fetches: the fetcher's close awaits its tasks and would raise otherwise, and the
+    consumer's stop would end before closing its connections."""
     fetch = getattr(fetcher, "_proc_fetch_request", None)
     if fetch is None:
         return False
@@ -183,7 +187,10 @@ def wait_at_client(fetcher: Any, pacer: FetchPacer) -> bool:
 
     async def fetch_then_rest(assignment: Any, node_id: Any, request: Any) -> Any:
         got = await fetch(assignment, node_id, request)
-        if not got and getattr(assignment, "active", False):
+        if got or not getattr(assignment, "active", False) or getattr(fetcher, "_closed", False):
+            return got
+        # Cancelled: as aiokafka's fetch does (see above); the task ends here either way.
+        with contextlib.suppress(asyncio.CancelledError):
             await fetcher._qm_rests_with.rest()
         return got
 

@@ -177,5 +177,13 @@ async def test_waiting_at_the_client_asks_the_broker_not_to_wait_and_still_polls
         await produce(topics_ready, topic, [("k", b"first"), ("k", b"second")])
         await eventually(lambda: seen == [b"first", b"second"])
         assert fetcher._fetch_max_wait_ms == 20  # the busy wait
+        # Quiet again, it rests most of the time: stopping cancels the rest, and the consumer
+        # still closes all the way (its client's connections too).
+        pacer = consumers._subscribers[-1][2]
+        await eventually(lambda: pacer.quiet)
+        await asyncio.sleep(0.3)
+        consumer = sub.consumer
+        await broker.stop()
+        assert consumer._client._sync_task is None
     finally:
         await broker.stop()

@@ -154,6 +154,7 @@ class FakeFetcher:
 
     def __init__(self, brings: bool = False) -> None:
         self._fetch_max_wait_ms = 500
+        self._closed = False
         self.brings = brings
         self.fetches = 0
 
@@ -218,6 +219,23 @@ async def test_a_wake_or_close_ends_a_rest_and_a_later_pacer_takes_the_fetcher_o
     second.close()  # shutting down: nothing waits on
     assert await asyncio.wait_for(fetch, 5) is False
     first.close()
+
+
+async def test_a_cancelled_rest_ends_the_fetch_as_aiokafka_does_and_closing_never_rests() -> None:
+    """aiokafka closes a fetcher by cancelling each fetch task and awaiting it: its own fetch
+    returns False when cancelled, and so must a rest, or the close raises and the consumer's
+    connections stay open. A fetcher that is closing does not rest at all."""
+    fetcher = FakeFetcher()
+    pacer = long_quiet()
+    pacer.attach(SimpleNamespace(_fetcher=fetcher))
+    task = asyncio.ensure_future(fetcher._proc_fetch_request(ACTIVE, 0, None))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    assert await asyncio.wait_for(task, 5) is False  # no CancelledError out of it
+    fetcher._closed = True
+    assert await asyncio.wait_for(fetcher._proc_fetch_request(ACTIVE, 0, None), 5) is False
+    pacer.close()
 
 
 async def test_at_the_broker_the_fetcher_is_left_as_it_is() -> None:
