@@ -8,9 +8,10 @@ spent at the client (the default), on the broker's requests."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from faststream.kafka import KafkaBroker
 
 from services.common.consumer import Consumers, Records
 from services.common.kafka import make_broker
@@ -27,18 +28,26 @@ from tests.integration.kafka_tools import (
 pytestmark = pytest.mark.integration
 
 
-async def test_a_service_consumer_polls_fast_only_while_records_come(topics_ready: str) -> None:
-    topic = await fresh_topic(topics_ready, "pacing")
+def paced(
+    bootstrap: str, service: str, *, idle_max_ms: int, wait_at: Literal["broker", "client"]
+) -> tuple[KafkaBroker, Consumers]:
+    """A service's broker and consumers polling every 20 ms while busy, ten times slower (at
+    most every `idle_max_ms`) after 0.5 s without records, waiting at `wait_at`."""
     settings = ServiceSettings(
-        kafka_bootstrap=topics_ready,
+        kafka_bootstrap=bootstrap,
         fetch_max_wait_ms=20,
         fetch_idle_factor=10,
-        fetch_idle_max_ms=300,
+        fetch_idle_max_ms=idle_max_ms,
         fetch_idle_after_s=0.5,
-        fetch_wait_at="broker",
+        fetch_wait_at=wait_at,
     )
-    broker = make_broker(settings, "pacing-test")
-    consumers = Consumers(broker, settings, service="pacing-test")
+    broker = make_broker(settings, service)
+    return broker, Consumers(broker, settings, service=service)
+
+
+async def test_a_service_consumer_polls_fast_only_while_records_come(topics_ready: str) -> None:
+    topic = await fresh_topic(topics_ready, "pacing")
+    broker, consumers = paced(topics_ready, "pacing-test", idle_max_ms=300, wait_at="broker")
     seen: list[tuple[bytes, int, int]] = []
     subscriber: list[Any] = []
 
@@ -144,16 +153,7 @@ async def test_waiting_at_the_client_asks_the_broker_not_to_wait_and_still_polls
     client: it sends about one fetch per long wait, not one per busy wait. Records are read as
     before."""
     topic = await fresh_topic(topics_ready, "pacing-client")
-    settings = ServiceSettings(
-        kafka_bootstrap=topics_ready,
-        fetch_max_wait_ms=20,
-        fetch_idle_factor=10,
-        fetch_idle_max_ms=200,
-        fetch_idle_after_s=0.5,
-        fetch_wait_at="client",
-    )
-    broker = make_broker(settings, "pacing-client-test")
-    consumers = Consumers(broker, settings, service="pacing-client-test")
+    broker, consumers = paced(topics_ready, "pacing-client-test", idle_max_ms=200, wait_at="client")
     seen: list[bytes] = []
 
     async def handle(records: Records) -> None:
@@ -163,7 +163,7 @@ async def test_waiting_at_the_client_asks_the_broker_not_to_wait_and_still_polls
     consumers.subscribe(topic, group_id=group, handle=handle)
     await consumers.start()
     try:
-        sub = broker.subscribers[-1]
+        sub: Any = broker.subscribers[-1]
         fetcher = sub.consumer._fetcher
         assert fetcher._fetch_max_wait_ms == 20  # the busy wait
         fetches = consumers.metrics.requests.labels(group, "Fetch")
