@@ -4,6 +4,7 @@ every path (bare spec on Kafka, envelope, Python-built model), and cheaply."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -225,3 +226,31 @@ def test_many_shallow_objects_take_the_fast_path_and_one_deep_one_does_not() -> 
     with pytest.raises(WireError):
         parse_json(raw)
     assert _nesting(deep) == MAX_JSON_DEPTH + 1
+
+
+def _plain_as_stated(raw: bytes) -> bool:
+    """`plain` as its docstring states it, one plain search per token."""
+    if b"\\" in raw or b"\x7f" in raw or b"NaN" in raw or b"Infinity" in raw:
+        return False
+    if _SUSPECT.search(raw):
+        return False
+    from schemas.bounds import _depth
+
+    return _depth(raw) <= MAX_JSON_DEPTH
+
+
+_SUSPECT = re.compile(rb"\xc2[\x80-\x9f]|\xe2\x80[\xaa-\xae]|\xe2\x81[\xa6-\xa9]")
+# Fragments around each token `plain` looks for, and the bytes its searches start from.
+_PIECES = st.sampled_from(
+    [b"N", b"Na", b"NaN", b"aN", b"I", b"Inf", b"Infinity", b"nity", b"\\", b"\x7f", b'"', b":"]
+    + [b"{", b"}", b"[", b"]", b"[" * 40, b"]" * 40, b"{" * 20]
+    + [b"\xc2", b"\xc2\x85", b"\xc2\xa0", b"\xe2", b"\xe2\x80", b"\xe2\x80\xae", b"\xe2\x80\x94"]
+    + [b"\xe2\x81\xa6", b"\xe2\x81\xaa", b"a", b"0", b" ", b"job", b"NodeUnhealthy"]
+)
+
+
+@given(st.lists(_PIECES, max_size=60).map(b"".join))
+def test_plain_is_exactly_its_stated_checks(raw: bytes) -> None:
+    from schemas.bounds import plain
+
+    assert plain(raw) == _plain_as_stated(raw)
