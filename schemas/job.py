@@ -164,9 +164,16 @@ class JobSpec(BaseModel):
         # Each field is bounded; the whole must still fit in the events that carry it. A
         # cheap upper bound first (a character is at most 6 bytes as escaped JSON), so the
         # usual small spec is not serialised twice.
-        rough = len(self.name or "") + len(self.image or "") + sum(map(len, self.command))
-        rough += sum(len(k) + len(v) for k, v in self.labels.items())
-        items = len(self.command) + 2 * len(self.labels)
+        # (Every spec read off a record passes here, and most have no command or labels.)
+        command, labels = self.command, self.labels
+        rough = len(self.name or "") + len(self.image or "")
+        items = 0
+        if command:
+            rough += sum(map(len, command))
+            items += len(command)
+        if labels:
+            rough += sum(map(len, labels)) + sum(map(len, labels.values()))
+            items += 2 * len(labels)
         if 6 * rough + 4 * items + 4096 <= MAX_SPEC_BYTES:
             return self
         size = json_size(self.model_dump(mode="json", exclude_none=True))

@@ -110,6 +110,10 @@ def test_a_spec_too_large_for_the_events_that_carry_it_is_refused() -> None:
     command = ["x" * 4000] * (MAX_SPEC_BYTES // 4000 + 2)
     got = submit({**GOOD, "command": command})
     assert isinstance(got, Unparseable) and "limit" in got.message
+    # labels alone, each within its own bounds, can pass the limit as well
+    labels = {f"label-{i:03d}-{'k' * 100}": "v" * 1024 for i in range(64)}
+    got = submit({**GOOD, "labels": labels})
+    assert isinstance(got, Unparseable) and "limit" in got.message
 
 
 def test_numbers_are_in_range() -> None:
