@@ -131,10 +131,10 @@ class SpecHead(BaseModel):
 
 
 class PlacementHead(Payload):
-    """A placement as the gateway, the queue, the meter and the preemptor read it: every
-    field of `PlacementDecided`, its spec as a `SpecHead`. The executor that runs the job
-    reads the whole spec (and refuses a placement whose spec is not valid); so do the
-    schedulers, whose snapshots keep placements whole."""
+    """A placement as the gateway, the queue, the meter, the preemptor and the schedulers
+    read it: every field of `PlacementDecided`, its spec as a `SpecHead`. The executor that
+    runs the job reads the whole spec (and refuses a placement whose spec is not valid); a
+    scheduler takes the placed job from its job.queued."""
 
     job_id: str
     attempt: int

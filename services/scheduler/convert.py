@@ -18,7 +18,13 @@ from core.model import (
     TopologyLevel,
     WorkloadKind,
 )
-from schemas.events import ClusterCapacity, JobQueued, PlacementDecided, ReplicaAssignment
+from schemas.events import (
+    ClusterCapacity,
+    JobQueued,
+    PlacementDecided,
+    PlacementHead,
+    ReplicaAssignment,
+)
 from schemas.job import WorkloadKind as JobKind
 from schemas.serving import SERVICE_LABEL
 
@@ -123,7 +129,7 @@ def placement_event(
     )
 
 
-def allocation_from_event(p: PlacementDecided, request: JobRequest, at: float) -> Allocation:
+def allocation_from_event(p: PlacementHead, request: JobRequest, at: float) -> Allocation:
     return Allocation(
         job=request,
         cluster=ClusterId(p.cluster),

@@ -19,7 +19,7 @@ from schemas.events import (
     JobPreempted,
     JobQueued,
     LeaderFence,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     PreemptionCanceled,
     PreemptionRequested,
@@ -43,7 +43,8 @@ WAIT_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200
 PAYLOADS: dict[str, type[BaseModel]] = {
     topics.CLUSTER_CAPACITY: ClusterCapacity,
     topics.JOB_QUEUED: JobQueued,
-    topics.PLACEMENT_DECIDED: PlacementDecided,
+    # Without the spec: the state takes a placed job from its job.queued (SpecHead).
+    topics.PLACEMENT_DECIDED: PlacementHead,
     topics.PLACEMENT_REFUSED: PlacementRefused,
     topics.JOB_FINISHED: JobFinished,
     topics.JOB_PREEMPTED: JobPreempted,
@@ -329,7 +330,7 @@ def _apply(state: SchedulerState, record: ConsumerRecord[Any, Any], env: Envelop
     elif topic == topics.JOB_QUEUED:
         state.on_queued(JobQueued.model_validate(env.payload))
     elif topic == topics.PLACEMENT_DECIDED:
-        state.on_placed(PlacementDecided.model_validate(env.payload), env.occurred_at.timestamp())
+        state.on_placed(PlacementHead.model_validate(env.payload), env.occurred_at.timestamp())
     elif topic == topics.PLACEMENT_REFUSED:
         state.on_refused(PlacementRefused.model_validate(env.payload), env.occurred_at.timestamp())
     elif topic == topics.JOB_FINISHED:

@@ -21,11 +21,11 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, SerializeAsAny, TypeAdapter
 
 from core.model import Allocation, ClusterId, JobId, NodeId, ReplicaPlacement
 from core.service import MAX_SERVICE, ServiceHistory
-from schemas.events import ClusterCapacity, JobQueued, PlacementDecided
+from schemas.events import ClusterCapacity, JobQueued, PlacementHead
 from services.scheduler.convert import job_request
 from services.scheduler.feed import Mark
 from services.scheduler.state import SchedulerState
@@ -54,7 +54,9 @@ class _Running(BaseModel):
 
 
 class _Early(BaseModel):
-    placement: PlacementDecided
+    # Read without its spec (a snapshot from before kept the whole spec: read the same way);
+    # written as the instance it is.
+    placement: SerializeAsAny[PlacementHead]
     at: float
 
 

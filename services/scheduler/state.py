@@ -15,7 +15,7 @@ from schemas.events import (
     JobFinished,
     JobPreempted,
     JobQueued,
-    PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     PreemptionCanceled,
     PreemptionRequested,
@@ -130,7 +130,7 @@ class SchedulerState:
     # Placements read before their job.queued (topics are not ordered with each other, e.g. on
     # a replay): applied when the job.queued arrives, so the job is not placed a second time.
     # Every copy of the highest attempt is kept (two leaders may have placed it), in log order.
-    early: dict[JobId, list[tuple[PlacementDecided, float]]] = field(default_factory=dict)
+    early: dict[JobId, list[tuple[PlacementHead, float]]] = field(default_factory=dict)
     # Highest leader fence read per (topic, partition): a new leader decides only once it has
     # read its own fence on every partition of the topics it decides on.
     fences: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -302,7 +302,7 @@ class SchedulerState:
         for placement, at in self.early.pop(job_id, ()):
             self.on_placed(placement, at)
 
-    def on_placed(self, event: PlacementDecided, at: float) -> None:
+    def on_placed(self, event: PlacementHead, at: float) -> None:
         """A placement, ours or a previous leader's, decided at wall time `at`; applying it
         twice changes nothing."""
         job_id = JobId(event.job_id)

@@ -78,3 +78,25 @@ def test_a_snapshot_of_another_format_or_scale_is_refused() -> None:
         decode(b"not json")
     with pytest.raises(ValueError, match="time scale"):
         restore(SchedulerState(time_scale=1.0), decode(body))
+
+
+def test_a_placement_read_before_its_job_keeps_its_head_through_a_snapshot() -> None:
+    """An early placement is kept as read, without its spec's body; one kept whole (a leader's
+    own, or a snapshot written before) is written whole and read back as its head."""
+    from schemas.events import PlacementHead
+    from tests.unit.services.test_scheduler_state import placed, queued
+
+    whole = placed("j1")
+    state = SchedulerState()
+    state.on_placed(PlacementHead.model_validate(whole.model_dump()), 1.0)
+    state.on_placed(placed("j2"), 2.0)
+    body = capture(state, MARKS)
+    assert b'"resources"' in body  # j2's, written whole
+    back = restored(state)
+    assert set(back.early) == {"j1", "j2"}
+    for job_id in ("j1", "j2"):
+        ((read, _),) = back.early[job_id]  # type: ignore[index]
+        assert type(read) is PlacementHead and read.spec.tenant == whole.spec.tenant
+        back.on_queued(queued(job_id))
+    assert sorted(back.running) == ["j1", "j2"]
+    assert back.running["j2"].start_time == 2.0  # type: ignore[index]
