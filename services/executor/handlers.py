@@ -8,6 +8,7 @@ import asyncio
 import heapq
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,6 +17,7 @@ from aiokafka import ConsumerRecord
 from pydantic import BaseModel, ValidationError
 
 from schemas import topics
+from schemas.bounds import escape_unsafe
 from schemas.envelope import Envelope
 from schemas.events import (
     JobCheckpointRequested,
@@ -26,6 +28,7 @@ from schemas.events import (
     LeaderFence,
     Outcome,
     PlacementDecided,
+    PlacementHead,
     PlacementRefused,
     RunFailed,
 )
@@ -72,6 +75,14 @@ PAYLOADS: dict[str, type[BaseModel]] = {
     topics.JOB_CHECKPOINT_REQUESTED: JobCheckpointRequested,
     topics.JOB_PREEMPT_ORDERED: JobPreemptOrdered,
 }
+
+
+@dataclass(frozen=True)
+class Unusable:
+    """A placement for this cluster that is refused unread (see Executor._unusable)."""
+
+    placement: PlacementHead
+    why: str
 
 
 class Executor:
@@ -192,6 +203,9 @@ class Executor:
                         )
             except ValidationError as exc:
                 dead.append(dead_letter(got.record, str(exc), consumer=self.producer))
+                unusable = self._unusable(got.record.topic, got.envelope.payload, exc)
+                if unusable is not None:
+                    mine.append((got.envelope, unusable))
         fence = max((f.epoch for f in fences), default=0)
         if not mine and not dead and fence <= self.epoch:
             return
@@ -230,6 +244,8 @@ class Executor:
                     continue
                 if isinstance(item, PlacementDecided):
                     out.extend(self._place(env, item, started))
+                elif isinstance(item, Unusable):
+                    out.append(self._refuse_unusable(env, item))
                 elif isinstance(item, JobStopOrdered):
                     out.extend(self._stop(env, item, ended, tombs))
                 elif isinstance(item, NodeUnhealthy):
@@ -255,7 +271,32 @@ class Executor:
         self.metrics.allocated.set(self.book.allocated_accelerators)
         await self.backend.act(self._acts)
 
-    def _refuse(self, env: Envelope, p: PlacementDecided, code: str, msg: str) -> OutMessage:
+    def _unusable(self, topic: str, payload: Any, exc: ValidationError) -> Unusable | None:
+        """A placement for this cluster whose job spec does not validate (only a producer
+        other than the scheduler writes one): besides its dead letter, it is refused, so that
+        the services that read placements without the spec (the schedulers among them) free
+        the job and it is placed again, rather than waiting for a run that never starts."""
+        if topic != topics.PLACEMENT_DECIDED:
+            return None
+        try:
+            head = PlacementHead.model_validate(payload)
+        except ValidationError:
+            return None  # not even a placement's head: the dead letter says it all
+        if head.cluster != self.cluster:
+            return None
+        first = " ".join(str(exc).splitlines()[:3])
+        return Unusable(head, escape_unsafe(f"the job's spec is not valid: {first}")[:500])
+
+    def _refuse_unusable(self, env: Envelope, item: Unusable) -> OutMessage:
+        # A deposed leader's copy is refused as such, whatever else is wrong with it (the
+        # queue and the gateway pass those by); the epoch is not raised by it.
+        p = item.placement
+        if p.epoch < self.epoch:
+            why = f"decided by leader epoch {p.epoch}; epoch {self.epoch} leads now"
+            return self._refuse(env, p, "stale_epoch", why)
+        return self._refuse(env, p, "invalid_spec", item.why)
+
+    def _refuse(self, env: Envelope, p: PlacementHead, code: str, msg: str) -> OutMessage:
         self.metrics.refused.labels(code).inc()
         with bind_event(env, p.job_id):
             log.info("placement refused", reason=code, detail=msg, attempt=p.attempt)

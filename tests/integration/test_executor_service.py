@@ -124,6 +124,70 @@ async def test_placements_refusals_fencing_and_restart(service_env: dict[str, An
     assert "2 whole H100 free of 8" in refusal["message"]
 
 
+def with_spec(
+    record: tuple[str, bytes], cluster: str | None = None, **changes: Any
+) -> tuple[str, bytes]:
+    """The placement record with its spec's fields changed, valid or not (and its cluster)."""
+    key, value = record
+    env = json.loads(value)
+    env["payload"]["spec"].update(changes)
+    if cluster is not None:
+        env["payload"]["cluster"] = cluster
+    return key, json.dumps(env).encode()
+
+
+async def test_a_placement_whose_spec_is_not_valid_is_refused_and_dead_lettered(
+    service_env: dict[str, Any],
+) -> None:
+    """Only a producer other than the scheduler writes one; the services that read placements
+    without their spec (the schedulers, the queue, the gateway) take it as placed, so the
+    executor says it will not run it, besides dead-lettering it: the job is then placed
+    again. A stale one is refused as stale; one for another cluster is not this executor's.
+    (A node no other test here uses, and the shared epoch: see EPOCH.)"""
+    run = uuid.uuid4().hex[:8]
+    bad, stale, other, good = (f"{run}-{n}" for n in ("bad", "stale", "other", "good"))
+    settings = ExecutorSettings(**service_env, executor_cluster=CLUSTER, time_scale=1.0)
+    bootstrap = service_env["kafka_bootstrap"]
+
+    def mine(_t: str, env: dict[str, Any]) -> bool:
+        return run in json.dumps(env["payload"])
+
+    async with running(create_app(settings)):
+        await produce(
+            bootstrap,
+            topics.PLACEMENT_DECIDED,
+            [
+                with_spec(placement(bad, 1, EPOCH, node(12)), kind="no-such-kind"),
+                with_spec(placement(other, 1, EPOCH, node(12)), "elsewhere", kind="no-such-kind"),
+                placement(good, 1, EPOCH, node(12)),
+                with_spec(placement(stale, 1, EPOCH - 1, node(12)), queue="Not A Name!"),
+            ],
+        )
+        # bad: refused and dead-lettered; stale: the same; other: dead-lettered; good: started
+        found = await collect(bootstrap, (*OUT, topics.DEAD_LETTER), mine, count=6)
+    by_job: dict[str, list[tuple[str, str | None]]] = {}
+    for topic, env in found:
+        p = env["payload"]
+        job = next(j for j in (bad, stale, other, good) if j in json.dumps(p))
+        by_job.setdefault(job, []).append((topic, p.get("reason_code") or p.get("reason")))
+    assert sorted(by_job[bad]) == [
+        (topics.DEAD_LETTER, "unreadable"),
+        (topics.PLACEMENT_REFUSED, "invalid_spec"),
+    ], by_job
+    assert sorted(by_job[stale]) == [
+        (topics.DEAD_LETTER, "unreadable"),
+        (topics.PLACEMENT_REFUSED, "stale_epoch"),
+    ], by_job
+    assert by_job[other] == [(topics.DEAD_LETTER, "unreadable")], by_job
+    assert by_job[good] == [(topics.JOB_STARTED, None)], by_job
+    refusal = next(
+        env["payload"]
+        for topic, env in found
+        if topic == topics.PLACEMENT_REFUSED and env["payload"]["job_id"] == bad
+    )
+    assert "spec" in refusal["message"] and "kind" in refusal["message"], refusal
+
+
 async def test_tombstones_expire_from_memory_and_table(service_env: dict[str, Any]) -> None:
     """A stop order for a job not running here is kept for the retention, then forgotten in
     memory and in the table: every cancel adds one in every executor, so without pruning
