@@ -246,10 +246,13 @@ def _plain_as_stated(raw: bytes) -> bool:
 _SUSPECT = re.compile(rb"\xc2[\x80-\x9f]|\xe2\x80[\xaa-\xae]|\xe2\x81[\xa6-\xa9]")
 # Fragments around each token `plain` looks for, and the bytes its searches start from.
 _PIECES = st.sampled_from(
-    [b"N", b"Na", b"NaN", b"aN", b"I", b"Inf", b"Infinity", b"nity", b"\\", b"\x7f", b'"', b":"]
-    + [b"{", b"}", b"[", b"]", b"[" * 40, b"]" * 40, b"{" * 20]
-    + [b"\xc2", b"\xc2\x85", b"\xc2\xa0", b"\xe2", b"\xe2\x80", b"\xe2\x80\xae", b"\xe2\x80\x94"]
-    + [b"\xe2\x81\xa6", b"\xe2\x81\xaa", b"a", b"0", b" ", b"job", b"NodeUnhealthy"]
+    [
+        *(b"N", b"Na", b"NaN", b"aN", b"I", b"Inf", b"Infinity", b"nity", b"\\", b"\x7f"),
+        *(b'"', b":", b"{", b"}", b"[", b"]", b"[" * 40, b"]" * 40, b"{" * 20),
+        *(b"\xc2", b"\xc2\x85", b"\xc2\xa0", b"\xe2", b"\xe2\x80", b"\xe2\x80\xae"),
+        *(b"\xe2\x80\x94", b"\xe2\x81\xa6", b"\xe2\x81\xaa", b"a", b"0", b" ", b"job"),
+        b"NodeUnhealthy",
+    ]
 )
 
 
