@@ -79,7 +79,8 @@ PAYLOADS: dict[str, type[BaseModel]] = {
 
 @dataclass(frozen=True)
 class Unusable:
-    """A placement for this cluster that is refused unread (see Executor._unusable)."""
+    """A placement for this cluster whose head reads but whose spec does not validate: it is
+    refused (see Executor._unusable)."""
 
     placement: PlacementHead
     why: str
@@ -273,7 +274,8 @@ class Executor:
 
     def _unusable(self, topic: str, payload: Any, exc: ValidationError) -> Unusable | None:
         """A placement for this cluster whose job spec does not validate (only a producer
-        other than the scheduler writes one): besides its dead letter, it is refused, so that
+        other than the scheduler writes one, or a scheduler of another version whose spec is
+        less strict than ours): besides its dead letter, it is refused, so that
         the services that read placements without the spec (the schedulers among them) free
         the job and it is placed again, rather than waiting for a run that never starts."""
         if topic != topics.PLACEMENT_DECIDED:
@@ -284,8 +286,8 @@ class Executor:
             return None  # not even a placement's head: the dead letter says it all
         if head.cluster != self.cluster:
             return None
-        first = " ".join(str(exc).splitlines()[:3])
-        return Unusable(head, escape_unsafe(f"the job's spec is not valid: {first}")[:500])
+        first = " ".join(str(exc).splitlines()[:3])[:500]
+        return Unusable(head, escape_unsafe(f"the job's spec is not valid: {first}"))
 
     def _refuse_unusable(self, env: Envelope, item: Unusable) -> OutMessage:
         # A deposed leader's copy is refused as such, whatever else is wrong with it (the
