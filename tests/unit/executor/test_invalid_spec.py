@@ -4,7 +4,6 @@ books nothing, and a redelivered copy is not refused twice."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -14,15 +13,14 @@ from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
 from schemas import topics
-from schemas.envelope import Envelope
-from schemas.events import PlacementDecided, ReplicaAssignment
-from schemas.job import JobSpec
 from services.common.kafka import OutMessage
 from services.executor.handlers import Executor
 from services.executor.metrics import ExecutorMetrics
 from services.executor.nodes import NodeBook
+from tests.unit.services.builders import placement_record
+from tests.unit.services.test_scheduler_state import placed
 
-CLUSTER = "c1"
+CLUSTER = "c1"  # the cluster of test_scheduler_state.placed
 
 
 class Relay:
@@ -59,34 +57,15 @@ class Backend:
 
 
 def record(job_id: str, epoch: int, offset: int) -> ConsumerRecord[Any, Any]:
-    spec = JobSpec(tenant="vision", job_id=job_id)
-    p = PlacementDecided(
-        job_id=job_id,
-        attempt=1,
-        epoch=epoch,
-        leader="forged",
-        cluster=CLUSTER,
-        accelerator_type="H100",
-        spec=spec,
-        replicas=[ReplicaAssignment(replica=0, node_id="n0", accelerators=1, cpu=1, memory_gb=1)],
-    )
-    env = json.loads(
-        Envelope(type="PlacementDecided", payload=p.model_dump(mode="json")).model_dump_json()
-    )
-    env["payload"]["spec"]["kind"] = "no-such-kind"
-    body = json.dumps(env).encode()
-    return ConsumerRecord(
-        topics.PLACEMENT_DECIDED, 0, offset, 0, 0, job_id.encode(), body, None, 0, len(body), []
-    )
-
-
-def fields(m: OutMessage) -> dict[str, Any]:
-    payload = m.envelope.payload
-    return payload if isinstance(payload, dict) else payload.model_dump()
+    p = placed(job_id, epoch=epoch)
+    return placement_record(p, p.spec.model_dump(mode="json") | {"kind": "no-such-kind"}, offset)
 
 
 def answers(relay: Relay) -> list[tuple[str, str | None]]:
-    return [(m.topic, fields(m).get("reason_code") or fields(m).get("reason")) for m in relay.sent]
+    return [
+        (m.topic, m.envelope.payload.get("reason_code") or m.envelope.payload.get("reason"))
+        for m in relay.sent
+    ]
 
 
 async def test_an_invalid_spec_is_refused_without_raising_the_epoch_and_only_once() -> None:
@@ -114,7 +93,7 @@ async def test_an_invalid_spec_is_refused_without_raising_the_epoch_and_only_onc
     ]
     assert executor.epoch == 7  # a forged epoch 9 did not move it
     assert not executor.running and executor.book.allocated_accelerators == 0
-    refused = [fields(m) for m in relay.sent if m.topic == topics.PLACEMENT_REFUSED]
+    refused = [m.envelope.payload for m in relay.sent if m.topic == topics.PLACEMENT_REFUSED]
     assert [(r["job_id"], r["epoch"]) for r in refused] == [("ahead", 9), ("behind", 6)]
     # Redelivered: dead-lettered again (as before), refused no more.
     relay.sent.clear()

@@ -18,6 +18,7 @@ from schemas.bounds import (
     MAX_SPEC_BYTES,
     Name,
     WireError,
+    _depth,
     parse_json,
 )
 from schemas.envelope import parse_envelope
@@ -238,8 +239,6 @@ def _plain_as_stated(raw: bytes) -> bool:
         return False
     if _SUSPECT.search(raw):
         return False
-    from schemas.bounds import _depth
-
     return _depth(raw) <= MAX_JSON_DEPTH
 
 

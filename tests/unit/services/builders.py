@@ -5,8 +5,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from aiokafka import ConsumerRecord
+
 from core.policy import Policy
+from schemas import topics
 from schemas.envelope import Envelope
+from schemas.events import PlacementDecided
 from schemas.job import JobSpec
 from schemas.validation import Submission
 from services.scheduler.working import WorkingSet
@@ -50,3 +54,15 @@ def checked() -> WorkingSet:
     """A scheduler working set compared with a rebuilt one after every cycle's update, raising
     on any difference: every cycle test also checks that the kept state follows the events."""
     return WorkingSet(verify_every=1, strict=True)
+
+
+def placement_record(
+    p: PlacementDecided, spec_json: dict[str, Any], offset: int = 0
+) -> ConsumerRecord[Any, Any]:
+    """`p` as it comes off `placement.decided`, with `spec_json` for its spec (valid or not)."""
+    event = p.model_dump(mode="json") | {"spec": spec_json}
+    env = Envelope(type="PlacementDecided", producer="scheduler", payload=event)
+    raw = env.model_dump_json().encode()  # one event id: a redelivered copy is the same record
+    return ConsumerRecord(
+        topics.PLACEMENT_DECIDED, 0, offset, 0, 0, p.job_id.encode(), raw, None, 0, len(raw), []
+    )

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import pytest
-from aiokafka import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
 from bench.inventory import inventory
 from core.service import MAX_SERVICE
-from schemas import topics
 from schemas.events import (
     ClusterCapacity,
     JobFinished,
@@ -25,7 +20,7 @@ from schemas.events import (
 )
 from services.scheduler.handlers import SchedulerMetrics, apply_records
 from services.scheduler.state import SchedulerState
-from tests.unit.services.builders import T0, spec
+from tests.unit.services.builders import T0, placement_record, spec
 
 
 def capacity(nodes: int = 2) -> ClusterCapacity:
@@ -431,17 +426,6 @@ def test_run_ends_read_in_any_order_each_count_once() -> None:
     assert state.served_total("j1") == MAX_SERVICE  # type: ignore[arg-type]
 
 
-def _placement_record(job_id: str, spec_json: dict[str, object]) -> ConsumerRecord[Any, Any]:
-    """A placement as it comes off the log, with `spec_json` for its spec."""
-    event = placed(job_id).model_dump(mode="json") | {"spec": spec_json}
-    body = json.dumps(
-        {"type": "PlacementDecided", "producer": "scheduler", "payload": event}
-    ).encode()
-    return ConsumerRecord(
-        topics.PLACEMENT_DECIDED, 0, 0, 0, 0, job_id.encode(), body, None, 0, len(body), []
-    )
-
-
 def test_the_feed_reads_a_placement_without_its_spec() -> None:
     """The state takes a placed job from its job.queued: of the placement's spec only its head
     is read (the part the other followers of placements read), so a spec the executor would
@@ -451,9 +435,9 @@ def test_the_feed_reads_a_placement_without_its_spec() -> None:
     state.on_queued(queued("j1"))
     metrics = SchedulerMetrics(CollectorRegistry())
     not_a_whole_spec = {"tenant": "vision", "kind": "no-such-kind", "replicas": 0}
-    apply_records(state, [_placement_record("j1", not_a_whole_spec)], metrics)
+    apply_records(state, [placement_record(placed("j1"), not_a_whole_spec)], metrics)
     assert list(state.running) == ["j1"] and state.pending == {}
     assert metrics.skipped._value.get() == 0
     # A spec without even its head is still unreadable.
-    apply_records(state, [_placement_record("j2", {"kind": "training"})], metrics)
+    apply_records(state, [placement_record(placed("j2"), {"kind": "training"})], metrics)
     assert metrics.skipped._value.get() == 1
