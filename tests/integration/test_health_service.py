@@ -326,6 +326,13 @@ async def test_a_straggler_raises_one_alert_across_reports_and_a_restart_and_a_s
             # It stays slow: more reports count on the incident, never a second alert.
             await report_progress(bootstrap, 8, *gangs)
             assert await until(incident_count, 16) == 16
+
+            async def all_judged() -> bool:
+                # The slow gang's 16th report can be in before the steady gang's last ones.
+                scrape = await metrics_of(app)
+                return scrape.get('qm_health_progress_reports_total{outcome="judged"}', 0) >= 32
+
+            assert await until(all_judged, True)
             scrape = await metrics_of(app)
             assert scrape['qm_health_straggler_incidents_total{event="opened"}'] == 1
             assert scrape["qm_health_stragglers_detected_total"] == 1
